@@ -1,0 +1,30 @@
+"""The token-aligned tensors a policy loss sees: the contract between train engines and losses.
+
+Every tensor is ``[rows, tokens]`` over response tokens only, right-padded, with ``mask`` 1.0
+on real tokens and 0.0 on padding. Engines build it (packing or padding as they like); loss
+functions are pure functions of it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class LossInputs:
+    """Inputs of one micro-batch to a policy loss.
+
+    ``logprobs`` carries the gradient; every other tensor is detached data. ``prox_logprobs``
+    (decoupled PPO's proximal policy) and ``ref_logprobs`` (KL reference) are ``None`` when
+    the flow does not compute them; losses that need them must refuse ``None`` loudly.
+    """
+
+    logprobs: torch.Tensor  # current policy, requires grad
+    behaviour_logprobs: torch.Tensor  # the rollout engine's, at sampling time
+    advantages: torch.Tensor  # per-sample advantage broadcast over its tokens
+    mask: torch.Tensor  # 1.0 real response token, 0.0 padding
+    prox_logprobs: torch.Tensor | None = None
+    ref_logprobs: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None  # per-token entropy of the current policy, detached
