@@ -1,0 +1,131 @@
+"""Outcome-reward advantage estimators over prompt groups.
+
+Owns the map from the scalar rewards of each group (one prompt sampled ``n`` times) to one
+advantage per sample; the train role broadcasts a sample's advantage over its tokens.
+
+Every estimator takes ``rewards_by_group`` (a sequence of 1-D reward sequences or tensors,
+one per group) and returns one 1-D float tensor per group, same order and lengths. Invariants:
+- outputs are finite; rewards that are not finite, or empty groups, raise ValueError;
+- a group whose rewards are all equal carries no learning signal: for the group-baselined
+  estimators (GRPO, RLOO) its advantages are exactly 0, never NaN;
+- the estimators are pure: no state, inputs are not modified, no gradient is tracked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+RewardGroup = Sequence[float] | torch.Tensor
+AdvantageEstimator = Callable[..., list[torch.Tensor]]
+
+
+def _as_groups(rewards_by_group: Sequence[RewardGroup]) -> list[torch.Tensor]:
+    groups: list[torch.Tensor] = []
+    for i, rewards in enumerate(rewards_by_group):
+        group = torch.as_tensor(rewards).detach()
+        if not group.is_floating_point():
+            group = group.to(torch.get_default_dtype())
+        if group.dim() != 1 or group.numel() == 0:
+            raise ValueError(
+                f"group {i}: rewards must be a non-empty 1-D sequence, "
+                f"got shape {tuple(group.shape)}"
+            )
+        if not torch.isfinite(group).all():
+            raise ValueError(f"group {i}: rewards must be finite, got {group.tolist()}")
+        groups.append(group)
+    return groups
+
+
+def _all_equal(group: torch.Tensor) -> bool:
+    # Checked explicitly rather than trusting std == 0: the float mean of equal values can be
+    # off by one ulp, and (tiny deviation) / eps would then be a sizeable made-up advantage.
+    return bool((group == group[0]).all())
+
+
+def grpo_advantages(
+    rewards_by_group: Sequence[RewardGroup], *, normalize_std: bool = True, eps: float = 1e-6
+) -> list[torch.Tensor]:
+    """Group-normalised advantages of GRPO (Shao et al. 2024, "DeepSeekMath").
+
+    ``A_i = (r_i - mean(r)) / (std(r) + eps)`` within each group, with the unbiased (Bessel)
+    sample std as in the TRL and verl implementations. ``normalize_std=False`` gives the
+    mean-centred form ``A_i = r_i - mean(r)`` that Dr. GRPO (Liu et al. 2025, "Understanding
+    R1-Zero-Like Training") recommends, which does not up-weight low-variance groups.
+
+    Invariants: each group's advantages sum to 0 (up to rounding); a group of one sample or
+    of equal rewards gets zeros.
+    """
+    if eps <= 0:
+        raise ValueError(f"eps must be > 0, got {eps}")
+    advantages: list[torch.Tensor] = []
+    for group in _as_groups(rewards_by_group):
+        if group.numel() == 1 or _all_equal(group):
+            advantages.append(torch.zeros_like(group))
+            continue
+        centred = group - group.mean()
+        advantages.append(centred / (group.std() + eps) if normalize_std else centred)
+    return advantages
+
+
+def rloo_advantages(rewards_by_group: Sequence[RewardGroup]) -> list[torch.Tensor]:
+    """REINFORCE Leave-One-Out (Ahmadian et al. 2024, "Back to Basics: Revisiting
+    REINFORCE Style Optimization for Learning from Human Feedback in LLMs"; Kool et al. 2019).
+
+    ``A_i = r_i - mean_{j != i} r_j = n / (n - 1) * (r_i - mean(r))``: each sample's baseline
+    is the mean reward of the other samples of its group, so the baseline is independent of
+    the sample and the gradient estimate stays unbiased.
+
+    Invariants: each group's advantages sum to 0; equal rewards give zeros; a group needs
+    at least two samples (otherwise ValueError: there is no one left to leave out).
+    """
+    advantages: list[torch.Tensor] = []
+    for i, group in enumerate(_as_groups(rewards_by_group)):
+        n = group.numel()
+        if n < 2:
+            raise ValueError(f"group {i}: RLOO needs at least 2 samples per group, got {n}")
+        if _all_equal(group):
+            advantages.append(torch.zeros_like(group))
+            continue
+        advantages.append((group - group.mean()) * (n / (n - 1)))
+    return advantages
+
+
+def reinforce_advantages(rewards_by_group: Sequence[RewardGroup]) -> list[torch.Tensor]:
+    """REINFORCE with a batch-mean baseline (Williams 1992, "Simple statistical
+    gradient-following algorithms for connectionist reinforcement learning").
+
+    ``A_i = r_i - mean of all rewards in the batch``; groups only keep the output's shape,
+    the baseline ignores them. Invariant: all advantages of the batch sum to 0.
+    """
+    groups = _as_groups(rewards_by_group)
+    if not groups:
+        return []
+    baseline = torch.cat(groups).mean()
+    return [group - baseline for group in groups]
+
+
+ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
+    "grpo": grpo_advantages,
+    "rloo": rloo_advantages,
+    "reinforce": reinforce_advantages,
+}
+
+
+def compute_advantages(
+    name: str, rewards_by_group: Sequence[RewardGroup], **options: Any
+) -> list[torch.Tensor]:
+    """Advantages of every group with the estimator registered as ``name``.
+
+    ``options`` go to the estimator as keyword arguments (e.g. ``normalize_std``, ``eps`` for
+    ``"grpo"``); an option the estimator does not take raises TypeError.
+    """
+    try:
+        estimator = ADVANTAGE_ESTIMATORS[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown advantage estimator {name!r}; allowed: {sorted(ADVANTAGE_ESTIMATORS)}"
+        ) from None
+    return estimator(rewards_by_group, **options)
