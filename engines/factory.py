@@ -1,0 +1,17 @@
+"""Builds the component bundle a config asks for; heavy backends are imported only when named."""
+
+from __future__ import annotations
+
+from pipeline.components import Components
+from pipeline.config import TandemConfig
+
+__all__ = ["build_components"]
+
+
+def build_components(config: TandemConfig) -> Components:
+    kind = config.engines.type
+    if kind == "fake":
+        from engines.fake import build_fake_components
+
+        return build_fake_components(config)
+    raise ValueError(f"engines.type {kind!r} has no builder")

@@ -1,0 +1,358 @@
+"""Run configuration: pydantic models loaded from YAML with dotted command-line overrides.
+
+Every field is documented and used; unknown keys are errors (``extra="forbid"``); cross-field
+rules are checked before anything starts, and every error names the field at fault. This
+module imports neither torch nor ray, so a config can be validated anywhere.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+__all__ = [
+    "ConfigError",
+    "FakeEnginesConfig",
+    "FlowConfig",
+    "LatencySpec",
+    "RoleConfig",
+    "RunConfig",
+    "StalenessConfig",
+    "TandemConfig",
+    "apply_overrides",
+    "load_config",
+    "validate_config",
+]
+
+ROLE_NAMES = ("dataloader", "generate", "rollout", "logp", "ref_logp", "reward", "train", "param_update")
+# The chain of roles that exchange items over channels; param_update is driven by the version
+# clock instead. A config may insert custom stages anywhere between dataloader and train.
+DEFAULT_STAGES = ["dataloader", "generate", "rollout", "logp", "ref_logp", "reward", "train"]
+
+
+class ConfigError(ValueError):
+    """An invalid config file or override; the message names the field and what is allowed."""
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+
+class LatencySpec(_Model):
+    """A distribution of durations in seconds, for the fake engines and the simulator."""
+
+    type: Literal["constant", "uniform", "exponential", "lognormal"] = "constant"
+    """Shape of the distribution."""
+    mean_s: float = Field(0.0, ge=0.0)
+    """Mean duration in seconds (for lognormal: the mean of the distribution, not of its log)."""
+    sigma: float = Field(1.0, ge=0.0)
+    """Lognormal: std-dev of the log; uniform: half-width as a fraction of the mean."""
+
+
+class RunConfig(_Model):
+    """What to run and where its outputs go."""
+
+    name: str = "tandem"
+    """Run name; the run folder is ``output_dir/name``."""
+    seed: int = 0
+    """Seed for every random choice of the run (data order, sampling, fake latencies)."""
+    max_steps: int = Field(20, ge=1)
+    """Optimizer steps to train; the flow stops cleanly after the last one."""
+    output_dir: Path = Path("runs")
+    """Where run folders (metrics JSONL, trace, plots, checkpoints) are written."""
+
+
+class StalenessConfig(_Model):
+    """How far generation may run ahead of training.
+
+    Give at most one of the four knobs; they mean the same bound ``k`` in our peers' words:
+    ``max_staleness`` (ours) = ``max_head_offpolicyness`` (AReaL) = ``async_generation_ratio``
+    (ROLL, integer values only) = ``generate_ahead_steps - 1`` (counts the current step too).
+    """
+
+    max_staleness: int | None = Field(None, ge=0)
+    """k: a sample trained at step t was started at policy version >= t - k. 0 = synchronous."""
+    max_head_offpolicyness: int | None = Field(None, ge=0)
+    """AReaL's name for k."""
+    async_generation_ratio: float | None = Field(None, ge=0)
+    """ROLL's name for k; only whole numbers are accepted since our bound counts whole steps."""
+    generate_ahead_steps: int | None = Field(None, ge=1)
+    """Steps of prompts generation may have open at once, the current one included: k + 1."""
+    max_concurrent_rollouts: int | None = Field(None, ge=1)
+    """Cap on prompt groups in flight (admitted, not yet trained); default (k + 1) * prompts_per_step."""
+
+    @model_validator(mode="after")
+    def _one_bound(self) -> StalenessConfig:
+        given = {
+            name: value
+            for name, value in (
+                ("max_staleness", self.max_staleness),
+                ("max_head_offpolicyness", self.max_head_offpolicyness),
+                ("async_generation_ratio", self.async_generation_ratio),
+                ("generate_ahead_steps", self.generate_ahead_steps),
+            )
+            if value is not None
+        }
+        if self.async_generation_ratio is not None and not float(self.async_generation_ratio).is_integer():
+            raise ValueError(
+                f"staleness.async_generation_ratio must be a whole number of steps, got "
+                f"{self.async_generation_ratio}"
+            )
+        ks = {name: _to_k(name, value) for name, value in given.items()}
+        if len(set(ks.values())) > 1:
+            raise ValueError(f"staleness knobs disagree: {ks}; give only one of them")
+        return self
+
+    @property
+    def k(self) -> int:
+        for name in ("max_staleness", "max_head_offpolicyness", "async_generation_ratio", "generate_ahead_steps"):
+            value = getattr(self, name)
+            if value is not None:
+                return _to_k(name, value)
+        return 1
+
+
+def _to_k(name: str, value: float) -> int:
+    return int(value) - 1 if name == "generate_ahead_steps" else int(value)
+
+
+class RoleConfig(_Model):
+    """Per-role settings: error policy, micro-batching, CPU thread budget."""
+
+    max_retries: int = Field(0, ge=0)
+    """Retries (with exponential backoff) of a failed unit of work before ``on_error`` applies."""
+    retry_backoff_s: float = Field(0.05, ge=0.0)
+    """First retry delay; doubles each retry."""
+    on_error: Literal["fail", "drop"] = "fail"
+    """After retries: ``fail`` stops the flow naming stage and samples; ``drop`` records the
+    samples as dropped with the error as reason and carries on (their slots are refilled)."""
+    micro_batch_size: int | None = Field(None, ge=1)
+    """Items per unit of work for this role; default ``flow.micro_batch_size``."""
+    num_threads: int | None = Field(None, ge=1)
+    """torch CPU threads for this role's engine; default: the flow's budget split."""
+
+
+class FlowConfig(_Model):
+    """The graph of stages and the channels between them."""
+
+    stages: list[str] = Field(default_factory=lambda: list(DEFAULT_STAGES))
+    """The channel chain, first to last. Must start with dataloader, generate, rollout and end
+    with train; ``logp``/``ref_logp`` may be left out; custom stages go anywhere after rollout."""
+    custom_stages: dict[str, str] = Field(default_factory=dict)
+    """Stage name -> ``module:Class`` of a StateMachine subclass. Naming a built-in role here
+    replaces it; a new name adds a stage (list it in ``stages``)."""
+    channel_capacity: int = Field(64, ge=1)
+    """Items each channel holds before its producer waits (backpressure)."""
+    micro_batch_size: int = Field(8, ge=1)
+    """Items a stage takes per unit of work, unless its role overrides it."""
+    batch_linger_s: float = Field(0.0, ge=0.0)
+    """How long a stage waits for a micro-batch to fill once it has one item."""
+    colocate: list[list[str]] = Field(default_factory=list)
+    """Groups of roles that share devices; each group's roles take turns under one fair lock."""
+
+    @model_validator(mode="after")
+    def _valid_chain(self) -> FlowConfig:
+        known = set(ROLE_NAMES) | set(self.custom_stages)
+        unknown = [s for s in self.stages if s not in known]
+        if unknown:
+            raise ValueError(
+                f"flow.stages names unknown stages {unknown}; allowed: {sorted(known - {'param_update'})} "
+                "(add new ones to flow.custom_stages)"
+            )
+        if len(set(self.stages)) != len(self.stages):
+            raise ValueError(f"flow.stages lists a stage twice: {self.stages}")
+        if self.stages[:3] != ["dataloader", "generate", "rollout"] or self.stages[-1] != "train":
+            raise ValueError(
+                f"flow.stages must start with dataloader, generate, rollout and end with train; got {self.stages}"
+            )
+        if "param_update" in self.stages:
+            raise ValueError("flow.stages: param_update is not a channel stage; it always runs beside the chain")
+        for group in self.colocate:
+            bad = [r for r in group if r not in known]
+            if bad:
+                raise ValueError(f"flow.colocate names unknown roles {bad}; allowed: {sorted(known)}")
+        for name, target in self.custom_stages.items():
+            if ":" not in target:
+                raise ValueError(f"flow.custom_stages.{name} must be 'module:Class', got {target!r}")
+        return self
+
+
+class TrainConfig(_Model):
+    """The training side of the schedule."""
+
+    prompts_per_step: int = Field(8, ge=1)
+    """Prompt groups per optimizer step (the batch B of the staleness rule)."""
+
+
+class RolloutConfig(_Model):
+    """The sampling side."""
+
+    samples_per_prompt: int = Field(4, ge=1)
+    """n: samples per prompt group (GRPO's group size)."""
+    max_new_tokens: int = Field(64, ge=1)
+    """Longest response, in tokens."""
+    temperature: float = Field(1.0, gt=0.0)
+    """Sampling temperature."""
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    """Nucleus sampling mass; 1.0 disables it."""
+    top_k: int = Field(0, ge=0)
+    """Top-k filter; 0 disables it."""
+    stop: list[str] = Field(default_factory=list)
+    """Stop strings that end a response."""
+
+
+class FakeEnginesConfig(_Model):
+    """Engines with controlled timing and no model, for tests, the simulator and benchmarks."""
+
+    type: Literal["fake"] = "fake"
+    generation_slots: int = Field(64, ge=1)
+    """Sequences the fake rollout engine decodes at once (continuous-batching width)."""
+    generation_latency: LatencySpec = LatencySpec()
+    """Time to generate one whole sequence."""
+    response_tokens: int = Field(8, ge=1)
+    """Tokens in each fake response."""
+    train_step_latency: LatencySpec = LatencySpec()
+    """Time of one optimizer step."""
+    logp_latency: LatencySpec = LatencySpec()
+    """Time to score one micro-batch of log-probs (policy or reference)."""
+    reward_latency: LatencySpec = LatencySpec()
+    """Time to score one micro-batch of rewards."""
+    sync_latency: LatencySpec = LatencySpec()
+    """Time of one parameter sync."""
+
+
+EnginesConfig = Annotated[FakeEnginesConfig, Field(discriminator="type")]
+
+
+class ObservabilityConfig(_Model):
+    """Logs, metrics, trace and progress display."""
+
+    log_format: Literal["console", "json"] = "console"
+    """structlog renderer."""
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    """Lowest level logged."""
+    metrics_port: int | None = Field(None, ge=0, le=65535)
+    """Serve Prometheus metrics on 127.0.0.1:PORT while running; None = off (0 = any free port)."""
+    trace: bool = True
+    """Write a Chrome/Perfetto trace (``trace.json``) of every stage's states to the run folder."""
+    trace_max_events: int = Field(200_000, ge=1)
+    """Stop recording trace events past this many (long runs stay bounded); the trace says so."""
+    progress: bool = False
+    """Show a progress bar (the CLI turns it on)."""
+    write_run_dir: bool = True
+    """Write metrics JSONL and the trace into the run folder."""
+
+
+class TandemConfig(_Model):
+    """The whole run. ``TandemConfig.model_validate(dict)`` or :func:`load_config`."""
+
+    run: RunConfig = RunConfig()
+    """What to run."""
+    staleness: StalenessConfig = StalenessConfig()
+    """Off-policy bound."""
+    flow: FlowConfig = FlowConfig()
+    """Stage graph and channels."""
+    roles: dict[str, RoleConfig] = Field(default_factory=dict)
+    """Per-role overrides, keyed by stage name."""
+    train: TrainConfig = TrainConfig()
+    """Training schedule."""
+    rollout: RolloutConfig = RolloutConfig()
+    """Sampling."""
+    engines: EnginesConfig = FakeEnginesConfig()
+    """The compute behind the roles (discriminated on ``type``)."""
+    observability: ObservabilityConfig = ObservabilityConfig()
+    """Logs, metrics, trace."""
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> TandemConfig:
+        known = set(ROLE_NAMES) | set(self.flow.custom_stages)
+        bad = [r for r in self.roles if r not in known]
+        if bad:
+            raise ValueError(f"roles has unknown role names {bad}; allowed: {sorted(known)}")
+        return self
+
+    @property
+    def max_concurrent(self) -> int:
+        cap = self.staleness.max_concurrent_rollouts
+        return cap if cap is not None else (self.staleness.k + 1) * self.train.prompts_per_step
+
+    def role(self, name: str) -> RoleConfig:
+        return self.roles.get(name, RoleConfig())
+
+    def micro_batch(self, name: str) -> int:
+        size = self.role(name).micro_batch_size
+        return size if size is not None else self.flow.micro_batch_size
+
+
+def _parse_value(text: str) -> Any:
+    """Read an override's value as YAML, so ``1e-5``, ``true``, ``[a, b]`` and ``null`` work."""
+    value = yaml.safe_load(text) if text else ""
+    if isinstance(value, str) and _looks_like_float(value):
+        return float(value)  # YAML 1.1 reads "1e-5" as a string
+    return value
+
+
+def _looks_like_float(text: str) -> bool:
+    try:
+        return math.isfinite(float(text))
+    except ValueError:
+        return False
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``dotted.key=value`` overrides to a nested dict (a copy is returned)."""
+    out = copy.deepcopy(data)
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r} must look like dotted.key=value")
+        node = out
+        parts = key.split(".")
+        for part in parts[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {item!r}: {part!r} is not a section")
+            node = child
+        node[parts[-1]] = _parse_value(raw)
+    return out
+
+
+def _format_error(err: ValidationError, source: str) -> str:
+    lines = [f"invalid config ({source}):"]
+    for e in err.errors():
+        where = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            msg = "unknown field"
+        elif e["type"] == "literal_error" and "expected" in e.get("ctx", {}):
+            msg = f"must be one of {e['ctx']['expected']}"
+        lines.append(f"  {where}: {msg} (got {e.get('input')!r})")
+    return "\n".join(lines)
+
+
+def validate_config(data: dict[str, Any], source: str = "<dict>") -> TandemConfig:
+    """Validate a nested dict, turning pydantic's errors into one ``ConfigError`` naming fields."""
+    try:
+        return TandemConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_error(err, source)) from None
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> TandemConfig:
+    """Load a YAML config file and apply dotted overrides; raise ``ConfigError`` on any problem."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML: {err}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: top level must be a mapping, got {type(data).__name__}")
+    data = apply_overrides(data, overrides or [])
+    return validate_config(data, str(path))

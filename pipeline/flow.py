@@ -1,0 +1,237 @@
+"""AsyncTrainingFlow: one asyncio loop running a state machine per role over bounded channels.
+
+The flow owns everything shared: the version clock, the staleness gate, the ledger, the run
+history, the channels and the tasks. It builds the stage chain from config, supervises one task
+per state machine in a TaskGroup (the first failure cancels the rest and ``run()`` raises that
+one :class:`StageError`, naming the stage and its prompts), and stops when the train role has
+done ``max_steps``: every admitted group has then been trained or dropped, so cancelling the
+remaining tasks loses nothing. No task outlives ``run()``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from engines.factory import build_components
+from pipeline.channel import BrokenChannel, ChannelStatistics, ReceiveChannel, SendChannel, open_channel
+from pipeline.components import Components
+from pipeline.config import TandemConfig
+from pipeline.history import RunHistory, StepRecord, SyncRecord
+from pipeline.ledger import DropRecord, Ledger
+from pipeline.metrics import FlowMetrics
+from pipeline.staleness import StalenessGate, VersionClock
+from pipeline.trace import TraceRecorder
+from state_machines.base import FlowServices, StageError, StateMachine
+from state_machines.registry import create_role_state_machine
+
+__all__ = ["AsyncTrainingFlow", "FlowResult", "RoleSummary"]
+
+log = structlog.get_logger("tandem")
+
+
+@dataclass(slots=True, frozen=True)
+class RoleSummary:
+    """How a role spent the run: seconds per state, transitions, items finished."""
+
+    state_seconds: dict[str, float]
+    transitions: int
+    items: int
+
+    @property
+    def busy_fraction(self) -> float:
+        total = sum(self.state_seconds.values())
+        return self.state_seconds.get("running", 0.0) / total if total > 0 else 0.0
+
+
+@dataclass(slots=True)
+class FlowResult:
+    """What a run did. Times are event-loop seconds (virtual under a virtual clock)."""
+
+    steps: list[StepRecord]
+    syncs: list[SyncRecord]
+    ledger: dict[str, Any]
+    drops: list[DropRecord]
+    staleness_counts: dict[int, int]
+    final_version: int
+    wall_s: float
+    channels: dict[str, ChannelStatistics]
+    roles: dict[str, RoleSummary]
+    run_dir: Path | None = None
+    metrics_port: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def samples_per_s(self) -> float:
+        return sum(s.samples for s in self.steps) / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return sum(s.tokens for s in self.steps) / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def mean_step_time_s(self) -> float:
+        return self.wall_s / len(self.steps) if self.steps else 0.0
+
+
+class AsyncTrainingFlow:
+    """Runs one training job: ``result = await AsyncTrainingFlow(config).run()``.
+
+    ``components`` overrides the engines the config would build (tests and embedding users
+    pass their own); the flow closes only components it built itself.
+    """
+
+    def __init__(self, config: TandemConfig, components: Components | None = None) -> None:
+        self.config = config
+        self._given_components = components
+        self.machines: list[StateMachine] = []
+        self.channels: list[ReceiveChannel[Any]] = []
+        self.metrics_port: int | None = None  # set while metrics are served
+
+    async def run(self) -> FlowResult:
+        cfg = self.config
+        components = self._given_components or build_components(cfg)
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        run_dir = self._make_run_dir()
+        clock = VersionClock()
+        gate = StalenessGate(clock, cfg.staleness.k, cfg.train.prompts_per_step, cfg.run.max_steps, cfg.max_concurrent)
+        services = FlowServices(
+            config=cfg, clock=clock, gate=gate, ledger=Ledger(gate), components=components,
+            trace=TraceRecorder(start, cfg.observability.trace_max_events, enabled=cfg.observability.trace),
+            history=RunHistory(run_dir / "metrics.jsonl" if run_dir else None),
+        )
+        self.machines = self._build_graph(services)
+        metrics = FlowMetrics(self.machines, self.channels, clock, services.ledger, start)
+        services.history.on_step(metrics.observe_step)
+        port = metrics.serve(cfg.observability.metrics_port) if cfg.observability.metrics_port is not None else None
+        self.metrics_port = port
+        log.info("flow started", stages=cfg.flow.stages, k=cfg.staleness.k, max_steps=cfg.run.max_steps, metrics_port=port)
+        try:
+            await self._supervise()
+        finally:
+            metrics.close()
+            self.metrics_port = None
+            services.history.close()
+            if self._given_components is None:
+                components.close()
+            if run_dir is not None and cfg.observability.trace:
+                services.trace.write(run_dir / "trace.json")
+        result = self._result(services, loop.time() - start, run_dir, port)
+        if run_dir is not None:
+            (run_dir / "summary.json").write_text(json.dumps(self._summary(result), indent=2))
+        log.info("flow finished", steps=len(result.steps), wall_s=round(result.wall_s, 3), **result.ledger)
+        return result
+
+    def _make_run_dir(self) -> Path | None:
+        if not self.config.observability.write_run_dir:
+            return None
+        run_dir = self.config.run.output_dir / self.config.run.name
+        run_dir.mkdir(parents=True, exist_ok=True)
+        return run_dir
+
+    def _locks(self) -> dict[str, asyncio.Lock]:
+        """One fair lock per colocated group. logp shares the trainer's weights, so it always
+        takes turns with train: a proximal score then never straddles an optimizer step."""
+        groups = [set(g) for g in self.config.flow.colocate]
+        if "logp" in self.config.flow.stages and not any({"logp", "train"} <= g for g in groups):
+            merged = {"logp", "train"}.union(*[g for g in groups if g & {"logp", "train"}])
+            groups = [g for g in groups if not g & {"logp", "train"}] + [merged]
+        locks: dict[str, asyncio.Lock] = {}
+        for group in groups:
+            lock = asyncio.Lock()
+            locks.update({role: lock for role in group})
+        return locks
+
+    def _build_graph(self, services: FlowServices) -> list[StateMachine]:
+        cfg = self.config
+        stages = cfg.flow.stages
+        if "ref_logp" in stages and services.components.reference is None:
+            raise ValueError("flow.stages has ref_logp but the engines provide no reference model")
+        locks = self._locks()
+        inbox: ReceiveChannel[Any] | None = None
+        machines: list[StateMachine] = []
+        self.channels = []
+        for i, name in enumerate(stages):
+            outbox: SendChannel[Any] | None = None
+            next_inbox: ReceiveChannel[Any] | None = None
+            if i + 1 < len(stages):
+                outbox, next_inbox = open_channel(f"{name}->{stages[i + 1]}", cfg.flow.channel_capacity)
+                self.channels.append(next_inbox)
+            machines.append(create_role_state_machine(name, services, inbox=inbox, outbox=outbox, lock=locks.get(name)))
+            inbox = next_inbox
+        machines.append(create_role_state_machine("param_update", services, lock=locks.get("param_update")))
+        return machines
+
+    async def _supervise(self) -> None:
+        """Run every machine; stop the rest when train is done; surface the first failure."""
+        try:
+            async with asyncio.TaskGroup() as tasks:
+                running = {m.name: tasks.create_task(m.run(), name=f"tandem:{m.name}") for m in self.machines}
+                # asyncio.wait, not await: a failure must surface once, from the group itself.
+                await asyncio.wait([running["train"]])
+                for task in running.values():
+                    task.cancel()
+        except BaseExceptionGroup as group:
+            raise _root_cause(group) from None
+
+    def _result(self, services: FlowServices, wall_s: float, run_dir: Path | None, port: int | None) -> FlowResult:
+        return FlowResult(
+            steps=services.history.steps,
+            syncs=services.history.syncs,
+            ledger=services.ledger.summary(),
+            drops=services.ledger.drops,
+            staleness_counts=dict(sorted(services.history.staleness_counts.items())),
+            final_version=services.clock.trained,
+            wall_s=wall_s,
+            channels={ch.name: ch.statistics() for ch in self.channels},
+            roles={
+                m.name: RoleSummary(
+                    state_seconds={s.value: t for s, t in m.state_seconds.items()},
+                    transitions=sum(m.transitions.values()),
+                    items=m.items_done,
+                )
+                for m in self.machines
+            },
+            run_dir=run_dir,
+            metrics_port=port,
+        )
+
+    @staticmethod
+    def _summary(result: FlowResult) -> dict[str, Any]:
+        rewards = [s.reward_mean for s in result.steps]
+        return {
+            "steps": len(result.steps),
+            "final_version": result.final_version,
+            "wall_s": result.wall_s,
+            "samples_per_s": result.samples_per_s,
+            "tokens_per_s": result.tokens_per_s,
+            "reward_first": rewards[0] if rewards else None,
+            "reward_last": rewards[-1] if rewards else None,
+            "staleness_counts": result.staleness_counts,
+            "ledger": result.ledger,
+            "roles_busy_fraction": {name: r.busy_fraction for name, r in result.roles.items()},
+        }
+
+
+def _root_cause(group: BaseExceptionGroup) -> BaseException:
+    """The error to surface: the first stage failure that is not a consequence of another."""
+    leaves: list[BaseException] = []
+
+    def walk(exc: BaseException) -> None:
+        if isinstance(exc, BaseExceptionGroup):
+            for inner in exc.exceptions:
+                walk(inner)
+        else:
+            leaves.append(exc)
+
+    walk(group)
+    for exc in leaves:
+        if not (isinstance(exc, StageError) and isinstance(exc.cause, BrokenChannel)):
+            return exc
+    return leaves[0]

@@ -1,0 +1,163 @@
+"""The version clock and the admission gate that bound off-policy lag.
+
+Versions: the trainer's version ``v`` counts optimizer steps (0 before the first); the rollout
+engines serve a loaded version ``w <= v``, raised by parameter sync.
+
+Admission (AReaL-style, at generation start): a prompt group is assigned a training step
+``s`` when it is admitted, and may be admitted only while
+
+    s <= w + k        (k = max_staleness; w = the version generation will start with)
+
+and while fewer than ``max_concurrent`` groups are in flight. Train step ``t`` consumes exactly
+the groups assigned to step ``t``. Hence the invariant every test checks: a sample trained
+in step ``t`` was started at a version ``>= t - k``.
+
+The rule is written against the *loaded* version ``w`` rather than the trained version ``v``:
+the version a sample starts with is the one the rollout engine serves, and gating on ``v``
+would let a lagging sync break the bound. With ``k = 0``, step ``t`` is admitted only once
+version ``t`` is loaded, which is exactly the synchronous schedule.
+
+A dropped group gives its slot back, so its step is refilled by a fresh prompt and the step
+still trains a full batch; no step is ever assigned more than ``prompts_per_step`` live groups.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+__all__ = ["Admission", "StalenessGate", "StalenessViolation", "VersionClock"]
+
+
+class StalenessViolation(RuntimeError):
+    """A group reached training older than the staleness bound allows (a bug, never tolerated)."""
+
+
+class VersionClock:
+    """Trained and loaded policy versions, with event-driven waits on their changes.
+
+    Invariants: both only move forward; ``loaded <= trained``.
+    """
+
+    def __init__(self, trained: int = 0, loaded: int = 0) -> None:
+        if not 0 <= loaded <= trained:
+            raise ValueError(f"need 0 <= loaded <= trained, got loaded={loaded} trained={trained}")
+        self.trained = trained
+        self.loaded = loaded
+        self.changed = asyncio.Condition()
+
+    async def advance_trained(self, version: int) -> None:
+        if version <= self.trained:
+            raise ValueError(f"trained version must move forward: {self.trained} -> {version}")
+        async with self.changed:
+            self.trained = version
+            self.changed.notify_all()
+
+    async def set_loaded(self, version: int) -> None:
+        if version < self.loaded or version > self.trained:
+            raise ValueError(
+                f"loaded version must satisfy {self.loaded} <= new <= trained={self.trained}, got {version}"
+            )
+        async with self.changed:
+            self.loaded = version
+            self.changed.notify_all()
+
+    async def wait_trained_beyond(self, version: int) -> int:
+        """Wait until the trained version exceeds ``version``; return it."""
+        async with self.changed:
+            await self.changed.wait_for(lambda: self.trained > version)
+            return self.trained
+
+    @property
+    def lag(self) -> int:
+        """Param-update lag: trained minus loaded."""
+        return self.trained - self.loaded
+
+
+@dataclass(slots=True, frozen=True)
+class Admission:
+    """A granted slot: train step ``step``, admitted while version ``version`` was loaded."""
+
+    step: int
+    version: int
+
+
+class StalenessGate:
+    """Grants admission slots under the staleness rule and the concurrency cap.
+
+    Owned by the flow; the generate role asks for slots, the train role completes them, and
+    any role that drops a group releases its slot.
+    """
+
+    def __init__(
+        self,
+        clock: VersionClock,
+        max_staleness: int,
+        prompts_per_step: int,
+        max_steps: int,
+        max_concurrent: int,
+    ) -> None:
+        if max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
+        if prompts_per_step < 1 or max_steps < 1 or max_concurrent < 1:
+            raise ValueError("prompts_per_step, max_steps and max_concurrent must be >= 1")
+        self.clock = clock
+        self.k = max_staleness
+        self.prompts_per_step = prompts_per_step
+        self.max_steps = max_steps
+        self.max_concurrent = max_concurrent
+        self._live: dict[int, int] = {}  # step -> groups admitted and not dropped
+        self._frontier = 0  # lowest step that may still have a free slot
+        self.in_flight = 0  # admitted, neither trained nor dropped
+
+    def _open_step(self) -> int | None:
+        while self._live.get(self._frontier, 0) >= self.prompts_per_step:
+            self._frontier += 1
+        s = self._frontier
+        if s >= self.max_steps or s > self.clock.loaded + self.k or self.in_flight >= self.max_concurrent:
+            return None
+        return s
+
+    async def admit(self) -> Admission:
+        """Wait for a free slot; take it. Wakes on version changes, completions and drops."""
+        cond = self.clock.changed
+        async with cond:
+            await cond.wait_for(lambda: self._open_step() is not None)
+            admission = self.try_admit()
+            assert admission is not None  # wait_for just saw a slot open, under the same lock
+            return admission
+
+    def try_admit(self) -> Admission | None:
+        """Take a free slot if there is one now, without waiting."""
+        step = self._open_step()
+        if step is None:
+            return None
+        self._live[step] = self._live.get(step, 0) + 1
+        self.in_flight += 1
+        return Admission(step=step, version=self.clock.loaded)
+
+    async def release(self, step: int) -> None:
+        """A group of ``step`` was dropped: its slot opens again for a fresh prompt."""
+        async with self.clock.changed:
+            self._live[step] -= 1
+            self.in_flight -= 1
+            if step < self._frontier:
+                self._frontier = step
+            self.clock.changed.notify_all()
+
+    async def complete(self, step: int, groups: int) -> None:
+        """Step ``step`` trained ``groups`` groups: they leave flight, their slots stay used."""
+        async with self.clock.changed:
+            self.in_flight -= groups
+            self._live.pop(step, None)  # a trained step can never be released again
+            self.clock.changed.notify_all()
+
+    def check(self, trained_step: int, oldest_version: int, prompt_id: int) -> int:
+        """Return the staleness of a group trained at ``trained_step``; raise if over the bound."""
+        staleness = trained_step - oldest_version
+        if staleness > self.k:
+            raise StalenessViolation(
+                f"prompt {prompt_id} trained at step {trained_step} was started at version "
+                f"{oldest_version}: staleness {staleness} > max_staleness {self.k}"
+            )
+        return staleness

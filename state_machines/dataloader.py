@@ -1,0 +1,35 @@
+"""The dataloader role: turns the prompt source into prompt groups, in order, under backpressure.
+
+Each prompt gets its dataloader position as ``prompt_id`` (unique within a run, and the
+checkpointable data position). The source may be endless: the channel's capacity keeps the
+dataloader at most one channel ahead of generation, and the flow stops it at the end.
+"""
+
+from __future__ import annotations
+
+from pipeline.records import PromptGroup
+from state_machines.base import State, StateMachine
+
+__all__ = ["DataloaderStateMachine"]
+
+
+class DataloaderStateMachine(StateMachine):
+    role = "dataloader"
+
+    position = 0  # prompts emitted so far; the next prompt's id
+
+    async def main(self) -> None:
+        n = self.config.rollout.samples_per_prompt
+        batch: list[PromptGroup] = []
+        for item in self.services.components.prompts(self.config.run.seed):
+            self.set_state(State.RUNNING)
+            batch.append(PromptGroup(self.position, item.prompt, item.prompt_ids, n, answer=item.answer))
+            self.position += 1
+            if len(batch) == self.micro_batch_size:
+                await self.emit(batch)
+                self.items_done += len(batch)
+                batch = []
+        await self.emit(batch)
+        self.items_done += len(batch)
+        assert self.outbox is not None
+        self.outbox.close()

@@ -1,0 +1,109 @@
+"""The generate role: admits prompt groups under the staleness gate and keeps the engine busy.
+
+For each prompt group it waits for an admission slot (training step ``s`` only while
+``s <= loaded_version + k``, and under the in-flight cap), then hands the group's ``n`` requests
+to the rollout engine without waiting for earlier calls to finish, so the engine's continuous
+batch stays full. Finished samples go downstream as soon as they finish, each with its group.
+
+Every admitted slot is launched before the role blocks on the gate again (otherwise k = 0 would
+deadlock: the step's last groups would wait behind the gate that their own training opens).
+A failed engine call is retried for the samples it had not yet delivered, so a retry never
+duplicates a sample. State: RUNNING while any call is in flight, else PAUSED while held by the
+gate, else WAITING_INPUT.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+
+from engines.protocols import GenerationRequest
+from pipeline.channel import EndOfStream
+from pipeline.records import PromptGroup
+from pipeline.staleness import Admission
+from state_machines.base import State, StateMachine
+from state_machines.messages import Generation
+
+__all__ = ["GenerateStateMachine"]
+
+
+class GenerateStateMachine(StateMachine):
+    role = "generate"
+
+    _calls_in_flight = 0
+    _held_by_gate = False
+
+    def _refresh_state(self, idle: State) -> None:
+        if self._calls_in_flight:
+            self.set_state(State.RUNNING)
+        elif self._held_by_gate:
+            self.set_state(State.PAUSED)
+        else:
+            self.set_state(idle)
+
+    async def main(self) -> None:
+        gate = self.services.gate
+        async with asyncio.TaskGroup() as calls:  # owns every in-flight engine call
+            while True:
+                self._refresh_state(State.WAITING_INPUT)
+                groups = await self.receive_quietly()
+                if groups is None:
+                    break
+                pending = deque(groups)
+                while pending:
+                    self._held_by_gate = True
+                    self._refresh_state(State.PAUSED)
+                    admitted = [self._admit(pending.popleft(), await gate.admit())]
+                    self._held_by_gate = False
+                    while pending and (slot := gate.try_admit()) is not None:
+                        admitted.append(self._admit(pending.popleft(), slot))
+                    calls.create_task(self._run_call(admitted))
+        assert self.outbox is not None
+        self.outbox.close()
+
+    async def receive_quietly(self) -> list[PromptGroup] | None:
+        """Receive without forcing WAITING_INPUT while calls still run (state stays RUNNING)."""
+        assert self.inbox is not None
+        try:
+            return await self.inbox.receive_batch(self.micro_batch_size, self.config.flow.batch_linger_s)
+        except EndOfStream:
+            return None
+
+    def _admit(self, group: PromptGroup, admission: Admission) -> PromptGroup:
+        group.step = admission.step
+        group.admitted_version = admission.version
+        self.services.ledger.admit(group.prompt_id, admission.step)
+        self.version = admission.version
+        return group
+
+    async def _run_call(self, groups: list[PromptGroup]) -> None:
+        self._calls_in_flight += 1
+        self._refresh_state(State.WAITING_INPUT)
+        try:
+            await self._generate(groups)
+        finally:
+            self._calls_in_flight -= 1
+            self._refresh_state(State.WAITING_INPUT)
+
+    async def _generate(self, groups: list[PromptGroup]) -> None:
+        components = self.services.components
+        by_id = {g.prompt_id: g for g in groups}
+        seed = self.config.run.seed
+        todo = {
+            (g.prompt_id, i): GenerationRequest(
+                g.prompt_id, i, g.prompt_ids, components.sampling, seed=hash((seed, g.prompt_id, i)) & 0x7FFFFFFF
+            )
+            for g in groups
+            for i in range(g.n)
+        }
+        assert self.outbox is not None
+
+        async def call() -> None:
+            # Only what has not been delivered yet: a retry never duplicates a sample.
+            async for sample in components.rollout.generate(list(todo.values())):
+                del todo[(sample.prompt_id, sample.index)]
+                await self.outbox.send(Generation(by_id[sample.prompt_id], sample))
+                self.items_done += 1
+                self.tokens_done += sample.num_tokens
+
+        await self.work(groups, call)

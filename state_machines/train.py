@@ -1,0 +1,79 @@
+"""The train role: one optimizer step per training step, on exactly that step's groups.
+
+Groups arrive in completion order; they are held by step, and step ``t`` runs once all
+``prompts_per_step`` groups assigned to it are in (a drop refills the step, see the gate).
+Before each step the staleness of every group is checked against the bound, a violation
+stops the run (it would mean the gate is wrong). After the step the trained version moves
+forward, which lets parameter sync and then admission move on. Holding at most ``k + 1``
+steps of groups, the buffer is bounded by the in-flight cap.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from pipeline.history import StepRecord
+from pipeline.records import RolloutGroup
+from state_machines.base import StateMachine
+
+__all__ = ["TrainStateMachine"]
+
+
+class TrainStateMachine(StateMachine):
+    role = "train"
+
+    async def main(self) -> None:
+        services = self.services
+        per_step = self.config.train.prompts_per_step
+        step = services.clock.trained
+        pending: dict[int, list[RolloutGroup]] = {}
+        while step < self.config.run.max_steps:
+            items = await self.receive()
+            if items is None:
+                raise RuntimeError(
+                    f"the stream ended before step {step} had its {per_step} groups "
+                    f"({len(pending.get(step, []))} arrived)"
+                )
+            for group in items:
+                pending.setdefault(group.step, []).append(group)
+            while step < self.config.run.max_steps and len(pending.get(step, ())) >= per_step:
+                batch = pending.pop(step)
+                if await self._train(step, batch):
+                    step += 1
+
+    async def _train(self, step: int, batch: list[RolloutGroup]) -> bool:
+        """Train one step; False if the error policy dropped the batch (the step is refilled)."""
+        services = self.services
+        loop = asyncio.get_running_loop()
+        staleness = [services.gate.check(step, g.oldest_version, g.prompt_id) for g in batch]
+        started = loop.time()
+        metrics = await self.work(batch, lambda: services.components.trainer.train_step(batch))
+        if metrics is None:
+            return False
+        for group in batch:
+            services.ledger.mark_trained(group.prompt_id)
+        version = step + 1
+        await services.clock.advance_trained(version)
+        await services.gate.complete(step, len(batch))
+        self.version = version
+        samples = [s for g in batch for s in g.samples]
+        tokens = sum(s.num_tokens for s in samples)
+        self.items_done += len(samples)
+        self.tokens_done += tokens
+        rewards = [s.reward for s in samples if s.reward is not None]
+        services.history.add(
+            StepRecord(
+                step=step,
+                time_s=loop.time(),
+                step_time_s=loop.time() - started,
+                groups=len(batch),
+                samples=len(samples),
+                tokens=tokens,
+                reward_mean=sum(rewards) / len(rewards) if rewards else float("nan"),
+                staleness=staleness,
+                loaded_version=services.clock.loaded,
+                prompt_ids=[g.prompt_id for g in batch],
+                train_metrics=dict(metrics),
+            )
+        )
+        return True

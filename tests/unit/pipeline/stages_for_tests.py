@@ -1,0 +1,35 @@
+"""Custom stages that the flow tests name in config, as a user would."""
+
+from __future__ import annotations
+
+from pipeline.records import RolloutGroup
+from state_machines.base import Stage
+
+
+class DropOddPrompts(Stage[RolloutGroup, RolloutGroup]):
+    """A filter between reward and train: odd prompt ids are dropped with a reason."""
+
+    async def process(self, items: list[RolloutGroup]) -> list[RolloutGroup]:
+        odd = [g for g in items if g.prompt_id % 2]
+        if odd:
+            await self.drop(odd, "filtered: odd prompt id")
+        return [g for g in items if not g.prompt_id % 2]
+
+
+class ConstantReward(Stage[RolloutGroup, RolloutGroup]):
+    """Replaces the reward role: every sample scores 0.25."""
+
+    async def process(self, items: list[RolloutGroup]) -> list[RolloutGroup]:
+        for group in items:
+            for sample in group.samples:
+                sample.reward = 0.25
+        return items
+
+
+class FailOnPrompt(Stage[RolloutGroup, RolloutGroup]):
+    """Replaces the reward role and raises on prompt 5."""
+
+    async def process(self, items: list[RolloutGroup]) -> list[RolloutGroup]:
+        if any(g.prompt_id == 5 for g in items):
+            raise ValueError("verifier exploded")
+        return items
