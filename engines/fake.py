@@ -74,8 +74,9 @@ class FakeRolloutEngine:
     sequence, so a simulated cluster of hundreds of slots runs fast on a virtual clock.
     """
 
-    def __init__(self, slots: int, latency: LatencySampler, response_tokens: int) -> None:
+    def __init__(self, slots: int, latency: LatencySampler, response_tokens: int, decode_step_s: float = 0.0) -> None:
         self.slots = slots
+        self._decode_step_s = decode_step_s
         self._latency = latency
         self._response_tokens = response_tokens
         self._mean_s = latency.spec.mean_s
@@ -105,13 +106,17 @@ class FakeRolloutEngine:
             # Long sequences take long: tokens scale with the drawn duration.
             length = max(1, round(self._response_tokens * duration / self._mean_s))
         length = min(length, request.params.max_new_tokens)
-        step = (end - start) / length
-        versions = [self._version_at(start + (i + 1) * step) for i in range(length)]
+        first, last = self._version_at(start), self._version_at(end)
+        if first == last:
+            versions = [first] * length  # no weight update during this sequence
+        else:
+            step = (end - start) / length
+            versions = [self._version_at(start + (i + 1) * step) for i in range(length)]
         return Sample(
             prompt_id=request.prompt_id,
             index=request.index,
             prompt_ids=request.prompt_ids,
-            response_ids=[(request.prompt_id + request.index + i) % 50 for i in range(length)],
+            response_ids=[(request.prompt_id + request.index) % 50] * length,
             behaviour_logprobs=[-1.0] * length,
             token_versions=versions,
             start_version=versions[0],
@@ -127,7 +132,10 @@ class FakeRolloutEngine:
             self.max_active = max(self.max_active, self.active)
             start = loop.time()
             duration = self._latency()
-            loop.call_at(start + duration, self._finish, request, out, start, duration)
+            end = start + duration
+            if self._decode_step_s > 0:
+                end = math.ceil(end / self._decode_step_s) * self._decode_step_s
+            loop.call_at(end, self._finish, request, out, start, duration)
 
     def _finish(self, request: GenerationRequest, out: asyncio.Queue[Sample], start: float, duration: float) -> None:
         self.active -= 1
@@ -240,7 +248,9 @@ def build_fake_components(config: TandemConfig) -> Components:
     spec = config.engines
     assert isinstance(spec, FakeEnginesConfig)
     seed = config.run.seed
-    rollout = FakeRolloutEngine(spec.generation_slots, LatencySampler(spec.generation_latency, seed + 1), spec.response_tokens)
+    rollout = FakeRolloutEngine(
+        spec.generation_slots, LatencySampler(spec.generation_latency, seed + 1), spec.response_tokens, spec.decode_step_s
+    )
     r = config.rollout
     return Components(
         prompts=synthetic_prompts,

@@ -214,6 +214,9 @@ class FakeEnginesConfig(_Model):
     """Sequences the fake rollout engine decodes at once (continuous-batching width)."""
     generation_latency: LatencySpec = LatencySpec()
     """Time to generate one whole sequence."""
+    decode_step_s: float = Field(0.0, ge=0.0)
+    """Sequences finish at the end of a decode step, as in continuous batching: completion
+    times round up to this grid (0 = exact drawn times)."""
     response_tokens: int = Field(8, ge=1)
     """Tokens in each fake response."""
     train_step_latency: LatencySpec = LatencySpec()
