@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -83,12 +84,19 @@ class AsyncTrainingFlow:
     """Runs one training job: ``result = await AsyncTrainingFlow(config).run()``.
 
     ``components`` overrides the engines the config would build (tests and embedding users
-    pass their own); the flow closes only components it built itself.
+    pass their own); the flow closes only components it built itself. ``on_step`` is told of
+    each trained step as it lands (the CLI's progress bar listens here).
     """
 
-    def __init__(self, config: TandemConfig, components: Components | None = None) -> None:
+    def __init__(
+        self,
+        config: TandemConfig,
+        components: Components | None = None,
+        on_step: Callable[[StepRecord], None] | None = None,
+    ) -> None:
         self.config = config
         self._given_components = components
+        self._on_step = on_step
         self.machines: list[StateMachine] = []
         self.channels: list[ReceiveChannel[Any]] = []
         self.metrics_port: int | None = None  # set while metrics are served
@@ -109,6 +117,8 @@ class AsyncTrainingFlow:
         self.machines = self._build_graph(services)
         metrics = FlowMetrics(self.machines, self.channels, clock, services.ledger, start)
         services.history.on_step(metrics.observe_step)
+        if self._on_step is not None:
+            services.history.on_step(self._on_step)
         port = metrics.serve(cfg.observability.metrics_port) if cfg.observability.metrics_port is not None else None
         self.metrics_port = port
         log.info("flow started", stages=cfg.flow.stages, k=cfg.staleness.k, max_steps=cfg.run.max_steps, metrics_port=port)

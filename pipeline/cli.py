@@ -1,0 +1,160 @@
+"""The ``tandem`` command: ``tandem run CONFIG [dotted.key=value ...]``.
+
+It owns the process edge of a run: finding the config (a path, or the name of a file in the
+repo's ``configs/`` folder), turning config errors into one message and exit code 2 before
+anything starts, setting up logging, the progress bar (fed by the flow's ``on_step`` listener)
+and the one-line summary. Exit codes: 0 done, 1 a stage failed (its error names the stage and
+prompts), 2 an invalid config or command line, 130 Ctrl-C. Everything else is the flow's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from pipeline.config import ConfigError, TandemConfig, load_config
+from pipeline.flow import AsyncTrainingFlow, FlowResult
+from pipeline.history import StepRecord
+from pipeline.logs import configure_logging
+from state_machines.base import StageError
+
+__all__ = ["CONFIGS_DIR", "main", "resolve_config", "summary_line"]
+
+CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
+EXIT_CONFIG_ERROR = 2
+EXIT_INTERRUPTED = 130  # the shell's convention for SIGINT
+
+
+def shipped_configs() -> dict[str, str]:
+    """Name -> first line of the file's leading ``#`` comment, for every YAML in ``configs/``."""
+    out: dict[str, str] = {}
+    for path in sorted(CONFIGS_DIR.glob("*.yaml")):
+        first = path.read_text().splitlines()[:1]
+        out[path.stem] = first[0].lstrip("#").strip() if first and first[0].startswith("#") else ""
+    return out
+
+
+def resolve_config(name: str) -> Path:
+    """The path as given if it exists, else the shipped ``configs/NAME[.yaml]``; a config found
+    in neither place is returned as given, for :func:`load_config` to name in its error."""
+    path = Path(name)
+    shipped = CONFIGS_DIR / (name if name.endswith(".yaml") else f"{name}.yaml")
+    if not path.is_file() and path.name == name and shipped.is_file():
+        return shipped
+    return path
+
+
+def _parser() -> argparse.ArgumentParser:
+    listing = "\n".join(f"  {name:<16} {desc}" for name, desc in shipped_configs().items())
+    epilog = f"shipped configs (in {CONFIGS_DIR}):\n{listing or '  (none)'}"
+    fmt = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(
+        prog="tandem", description="Asynchronous RL post-training engine.", epilog=epilog, formatter_class=fmt
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    run = commands.add_parser("run", help="run a training job", description="Run a training job.",
+                              epilog=epilog, formatter_class=fmt)
+    run.add_argument("config", metavar="CONFIG", help="a YAML path, or the name of a shipped config")
+    run.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                     help="dotted overrides applied after the file, e.g. run.max_steps=5 staleness.max_staleness=0")
+    run.add_argument("--no-progress", action="store_true", help="no progress bar (logs and summary only)")
+    return parser
+
+
+class _ProgressListener:
+    """Feeds the bar from each trained step: reward, mean staleness so far, samples/s so far."""
+
+    def __init__(self, progress: Progress, total: int, start_s: float) -> None:
+        self._progress = progress
+        self._task = progress.add_task("train", total=total, stats="")
+        self._start_s = start_s  # event-loop time, the clock step records are stamped with
+        self._samples = 0
+        self._groups = 0
+        self._staleness = 0
+
+    def __call__(self, record: StepRecord) -> None:
+        self._samples += record.samples
+        self._groups += len(record.staleness)
+        self._staleness += sum(record.staleness)
+        elapsed = record.time_s - self._start_s
+        stats = (
+            f"reward {record.reward_mean:.3f}  staleness {self._staleness / max(self._groups, 1):.2f}  "
+            f"{self._samples / elapsed if elapsed > 0 else 0.0:.1f} samples/s"
+        )
+        self._progress.update(self._task, completed=record.step + 1, stats=stats)
+
+
+@contextmanager
+def _progress_bar(config: TandemConfig) -> Iterator[Progress]:
+    progress = Progress(
+        TextColumn("step"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("{task.fields[stats]}"),
+        console=Console(stderr=True),
+    )
+    with progress:
+        # Logging is configured inside the bar: the PrintLogger binds sys.stderr when configured,
+        # and here that is rich's proxy, so log lines print above the bar instead of through it.
+        configure_logging(config.observability.log_format, config.observability.log_level)
+        yield progress
+
+
+def summary_line(result: FlowResult) -> str:
+    """steps, wall time, samples/s, reward first -> last step, staleness counts, ledger, run folder."""
+    rewards = [s.reward_mean for s in result.steps]
+    reward = f"{rewards[0]:.3f} -> {rewards[-1]:.3f}" if rewards else "n/a"
+    staleness = ", ".join(f"{k}: {n}" for k, n in result.staleness_counts.items()) or "none"
+    return (
+        f"done: {len(result.steps)} steps in {result.wall_s:.2f}s, {result.samples_per_s:.1f} samples/s, "
+        f"reward {reward}, staleness {{{staleness}}}, "
+        f"ledger trained {result.ledger['trained']} dropped {result.ledger['dropped']}, "
+        f"run folder {result.run_dir if result.run_dir is not None else '(not written)'}"
+    )
+
+
+async def _run(config: TandemConfig, progress: Progress | None) -> FlowResult:
+    listener: _ProgressListener | None = None
+    if progress is not None:
+        listener = _ProgressListener(progress, config.run.max_steps, asyncio.get_running_loop().time())
+    return await AsyncTrainingFlow(config, on_step=listener).run()
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = _parser().parse_args(argv)
+    except SystemExit as exit_:  # --help, or argparse's own usage error (code 2)
+        return int(exit_.code or 0)
+    # The bar is on by default from the command line; the user's own override still wins,
+    # and --no-progress wins over both.
+    overrides = ["observability.progress=true", *args.overrides]
+    if args.no_progress:
+        overrides.append("observability.progress=false")
+    try:
+        config = load_config(resolve_config(args.config), overrides)
+    except ConfigError as err:
+        print(f"tandem: {err}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    bar = _progress_bar(config) if config.observability.progress else nullcontext(None)
+    try:
+        with bar as progress:
+            if progress is None:
+                configure_logging(config.observability.log_format, config.observability.log_level)
+            result = asyncio.run(_run(config, progress))
+    except KeyboardInterrupt:
+        # asyncio.run has cancelled the flow, which closed its engines and wrote its trace.
+        print("tandem: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except StageError as err:
+        print(f"tandem: run failed: {err}", file=sys.stderr)
+        return 1
+    print(summary_line(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

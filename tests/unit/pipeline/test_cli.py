@@ -1,0 +1,118 @@
+"""The ``tandem`` command: config lookup, overrides, errors as exit codes, the summary line."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import structlog
+
+from pipeline.cli import CONFIGS_DIR, main
+from pipeline.config import load_config
+
+REPO = Path(__file__).resolve().parents[3]
+QUIET = ["observability.write_run_dir=false", "observability.log_level=warning", "--no-progress"]
+
+
+@pytest.fixture(autouse=True)
+def restore_logging() -> Iterator[None]:
+    """The CLI configures structlog for the process; give later tests their quiet config back."""
+    saved = structlog.get_config()
+    yield
+    structlog.configure(**saved)
+
+
+def test_help_lists_every_shipped_config_with_its_description(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--help"]) == 0
+    top = capsys.readouterr().out
+    assert main(["run", "--help"]) == 0
+    run = capsys.readouterr().out
+    shipped = sorted(CONFIGS_DIR.glob("*.yaml"))
+    assert {"sim_sync", "sim_k1", "sim_colocated"} <= {p.stem for p in shipped}
+    for path in shipped:
+        description = path.read_text().splitlines()[0].lstrip("# ").strip()
+        for text in (top, run):
+            assert path.stem in text and description[:40] in text
+
+
+def test_run_by_name_trains_and_prints_the_summary(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", "sim_k1", "run.max_steps=2", *QUIET]) == 0
+    out, err = capsys.readouterr()
+    per_step = load_config(CONFIGS_DIR / "sim_k1.yaml").train.prompts_per_step
+    summary = out.strip().splitlines()[-1]
+    assert summary.startswith("done: 2 steps in ")
+    for part in ("samples/s", "reward ", " -> ", "staleness {", f"ledger trained {2 * per_step} dropped 0",
+                 "run folder (not written)"):
+        assert part in summary
+    assert "Traceback" not in err
+
+
+def test_run_by_path_writes_the_run_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "mine.yaml"
+    config.write_text("# A tiny run.\nrun: {name: mine, max_steps: 2}\ntrain: {prompts_per_step: 2}\n")
+    code = main(["run", str(config), f"run.output_dir={tmp_path}", "observability.log_level=warning", "--no-progress"])
+    assert code == 0
+    assert capsys.readouterr().out.strip().endswith(f"run folder {tmp_path / 'mine'}")
+    assert {"metrics.jsonl", "summary.json", "trace.json"} <= {p.name for p in (tmp_path / "mine").iterdir()}
+
+
+def test_an_unknown_override_key_exits_2_naming_the_field(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", "sim_k1", "run.max_stpes=2", *QUIET]) == 2
+    out, err = capsys.readouterr()
+    assert "run.max_stpes" in err and "unknown field" in err
+    assert "Traceback" not in err and not out
+
+
+def test_an_invalid_literal_exits_2_naming_the_allowed_values(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", "sim_k1", "observability.log_format=xml", *QUIET]) == 2
+    err = capsys.readouterr().err
+    assert "observability.log_format" in err and "'console'" in err and "'json'" in err
+    assert "Traceback" not in err
+
+
+def test_a_malformed_override_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", "sim_k1", "max_steps", *QUIET]) == 2
+    assert "dotted.key=value" in capsys.readouterr().err
+
+
+def test_a_missing_config_exits_2_naming_the_path(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    missing = tmp_path / "nowhere.yaml"
+    assert main(["run", str(missing), *QUIET]) == 2
+    err = capsys.readouterr().err
+    assert str(missing) in err and "not found" in err
+    assert "Traceback" not in err
+
+
+def test_a_failing_stage_exits_1_naming_the_stage(capsys: pytest.CaptureFixture[str]) -> None:
+    failing = "flow.custom_stages.reward=tests.unit.pipeline.stages_for_tests:FailOnPrompt"
+    assert main(["run", "sim_k1", failing, "flow.micro_batch_size=1", *QUIET]) == 1
+    out, err = capsys.readouterr()
+    assert "stage 'reward' failed on prompt(s) [5]" in err and "verifier exploded" in err
+    assert "Traceback" not in err and "done:" not in out
+
+
+def test_ctrl_c_stops_cleanly_with_exit_code_130() -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pipeline.cli", "run", "sim_sync", "run.max_steps=1000", "observability.write_run_dir=false",
+         "--no-progress"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    assert proc.stderr is not None
+    try:
+        # Interrupt only once the flow is running (its first log line), not during imports.
+        seen = ""
+        while "flow started" not in (line := proc.stderr.readline()):
+            assert line, f"the CLI exited before the flow started: {seen}"
+            seen += line
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130
+    assert "interrupted" in err and "Traceback" not in err
+    assert "done:" not in out

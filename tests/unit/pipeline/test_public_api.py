@@ -1,0 +1,30 @@
+"""The public API is what ``__all__`` says, and the core imports without torch or ray."""
+
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+
+import pytest
+
+PACKAGES = ["pipeline", "state_machines", "algorithms"]
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_every_name_in_all_is_importable_and_listed_once(package: str) -> None:
+    module = importlib.import_module(package)
+    names = getattr(module, "__all__", [])  # a package without __all__ exports nothing by contract
+    assert len(names) == len(set(names)), f"{package}.__all__ lists a name twice"
+    missing = [name for name in names if not hasattr(module, name)]
+    assert not missing, f"{package}.__all__ names what it does not export: {missing}"
+
+
+def test_the_core_imports_without_torch_or_ray() -> None:
+    code = (
+        "import pipeline, pipeline.config, pipeline.flow, state_machines.registry, engines.fake; import sys; "
+        "assert 'torch' not in sys.modules and 'ray' not in sys.modules, "
+        "sorted(m for m in ('torch', 'ray') if m in sys.modules)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
