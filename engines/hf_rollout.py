@@ -1,0 +1,500 @@
+"""The embedded rollout engine: a transformers causal LM sampled with a KV cache and continuous batching.
+
+What it owns: one model, one dedicated decode thread (started in the constructor, stopped by
+``close()``), the batch of in-flight sequences with their KV cache, and the FIFO of requests
+waiting for a slot. Everything touching the model or the cache runs on that thread; callers
+on any event loop submit work and receive results through ``loop.call_soon_threadsafe``.
+
+Continuous batching: every decode step feeds each in-flight row its newest token. A finished
+row leaves the batch at once (``index_select`` on the cache); a waiting request joins by
+prefilling alone (or with same-length peers, so no padding) and merging its cache into the
+batch, left-padded to the batch length with an attention mask and explicit ``position_ids``;
+padding columns every row has outgrown are trimmed. So no compute is spent on finished rows,
+and the only padding is the left gap between rows of different lengths.
+
+Invariants:
+- each row's cache holds exactly ``prompt + response[:-1]``; its newest token is fed next step;
+- ``len(response_ids) == len(behaviour_logprobs) == len(token_versions)``, and every token is
+  stamped with the version of the weights whose logits it was sampled from;
+- weights change only between decode steps, all tensors at once or none (``submit_weights``);
+  sequences in flight at that moment are either re-prefilled under the new weights
+  (``ResumePolicy.RECOMPUTE``, the default) or keep the cache the old weights built
+  (``KEEP_CACHE``), and ``Sample.resumed`` records which;
+- behaviour log-probs are ``log_softmax(logits / temperature)`` over the full vocabulary, the
+  quantity the train engine recomputes at the same temperature; top-k/top-p truncation
+  shapes which token is drawn but is not folded into the returned log-prob;
+- sampling is a function of the request alone: each request draws from its own generator
+  seeded by ``(seed, prompt_id, index)``, one uniform per token (inverse-CDF), so the tokens do
+  not depend on which other requests share the batch (up to float rounding of batched
+  matmuls, which would have to land on a CDF boundary to change a token).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import deque
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Self
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from engines.protocols import GenerationRequest
+from engines.threads import apply_thread_budget
+from engines.torch_weights import unique_weights
+from pipeline.records import FinishReason, ResumePolicy, Sample
+
+__all__ = ["EngineClosedError", "HFRolloutEngine", "NamedTensors"]
+
+NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+
+
+class EngineClosedError(RuntimeError):
+    """The engine was closed before this work could finish."""
+
+
+@dataclass(slots=True)
+class _Call:
+    """One ``generate()`` call: the loop and queue its samples are delivered to."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[Sample | BaseException]
+    sequences: list[_Sequence] = field(default_factory=list)
+
+    def deliver(self, item: Sample | BaseException) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the caller's loop is closed: nobody will read the rest
+            self.cancel()
+
+    def cancel(self) -> None:
+        for seq in self.sequences:
+            seq.cancelled = True
+
+
+@dataclass(slots=True)
+class _Sequence:
+    """A request from submission to delivery; mutated only by the decode thread."""
+
+    request: GenerationRequest
+    call: _Call
+    generator: torch.Generator
+    response_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    resumed: ResumePolicy | None = None
+    # Set from the caller's thread when it stops listening; the decode thread drops the row at
+    # the next step boundary (a plain bool: one late step is the worst a race can cost).
+    cancelled: bool = False
+
+    @property
+    def cached_ids(self) -> list[int]:
+        """The tokens the row's cache must hold: everything but the newest token."""
+        return self.request.prompt_ids + self.response_ids[:-1]
+
+
+@dataclass(slots=True)
+class _Batch:
+    """In-flight rows and their KV cache; ``mask`` [rows, cache length] is 0 on left padding."""
+
+    rows: list[_Sequence]
+    cache: DynamicCache
+    mask: torch.Tensor
+
+
+@dataclass(slots=True)
+class _WeightUpdate:
+    named_tensors: NamedTensors
+    version: int
+    done: Future[None]
+
+
+def _request_generator(request: GenerationRequest) -> torch.Generator:
+    # Mixing prompt_id and index into the seed keeps the n samples of a group distinct even when
+    # the caller passes one seed for all of them; SeedSequence decorrelates nearby integers.
+    seed = np.random.SeedSequence([request.seed, request.prompt_id, request.index]).generate_state(1)[0]
+    return torch.Generator().manual_seed(int(seed))
+
+
+def _validate(request: GenerationRequest) -> None:
+    p = request.params
+    if not request.prompt_ids:
+        raise ValueError(f"request {request.prompt_id}/{request.index}: empty prompt")
+    if p.max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {p.max_new_tokens}")
+    if p.temperature <= 0:
+        raise ValueError(f"temperature must be > 0 (use top_k=1 for greedy), got {p.temperature}")
+    if not 0 < p.top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {p.top_p}")
+    if p.top_k < 0:
+        raise ValueError(f"top_k must be >= 0, got {p.top_k}")
+
+
+def _kv(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+def _select(batch: _Batch, keep: list[int]) -> _Batch | None:
+    """Keep the rows at ``keep`` and trim left-padding columns no remaining row needs."""
+    if not keep:
+        return None
+    mask = batch.mask
+    kv = _kv(batch.cache)
+    if len(keep) != len(batch.rows):
+        index = torch.tensor(keep, device=mask.device)
+        mask = mask.index_select(0, index)
+        kv = [(k.index_select(0, index), v.index_select(0, index)) for k, v in kv]
+    first = int(mask.any(dim=0).long().argmax())  # first column some row attends to
+    if first == 0 and len(keep) == len(batch.rows):
+        return batch
+    if first > 0:
+        mask = mask[:, first:]
+        kv = [(k[:, :, first:], v[:, :, first:]) for k, v in kv]
+    return _Batch([batch.rows[i] for i in keep], DynamicCache(ddp_cache_data=kv), mask)
+
+
+def _merge(blocks: list[_Batch]) -> _Batch:
+    """Stack batches row-wise, left-padding each cache and mask to the longest."""
+    if len(blocks) == 1:
+        return blocks[0]
+    length = max(b.mask.shape[1] for b in blocks)
+    kvs, masks = [], []
+    for b in blocks:
+        pad = length - b.mask.shape[1]
+        kvs.append([(F.pad(k, (0, 0, pad, 0)), F.pad(v, (0, 0, pad, 0))) for k, v in _kv(b.cache)])
+        masks.append(F.pad(b.mask, (pad, 0)))
+    kv = [
+        (torch.cat([layers[i][0] for layers in kvs]), torch.cat([layers[i][1] for layers in kvs]))
+        for i in range(len(kvs[0]))
+    ]
+    rows = [row for b in blocks for row in b.rows]
+    return _Batch(rows, DynamicCache(ddp_cache_data=kv), torch.cat(masks))
+
+
+class HFRolloutEngine:
+    """Samples sequences from a transformers causal LM on one dedicated decode thread.
+
+    Implements :class:`engines.protocols.RolloutEngine`. Several concurrent ``generate()``
+    calls share one continuous batch of at most ``max_batch_size`` rows.
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+        max_batch_size: int = 64,
+        num_threads: int = 1,
+        resume_policy: ResumePolicy | str = ResumePolicy.RECOMPUTE,
+        start_version: int = 0,
+    ) -> None:
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        if num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {num_threads}")
+        self._device = torch.device(device)
+        self._max_batch_size = max_batch_size
+        self._num_threads = num_threads
+        self._resume_policy = ResumePolicy(resume_policy)
+        self._version = start_version
+
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+        self._model = model.to(self._device).eval().requires_grad_(False)
+        # The batch cache is managed as plain per-layer tensors; sliding-window or linear
+        # attention layers would need their own bookkeeping, so refuse them loudly.
+        layer_types = {type(layer) for layer in DynamicCache(config=model.config).layers}
+        if layer_types - {DynamicLayer}:
+            raise NotImplementedError(f"{model_path}: cache layers {layer_types} are not supported")
+        self._tokenizer = AutoTokenizer.from_pretrained(model_path)
+        eos = model.generation_config.eos_token_id
+        self._eos_ids: frozenset[int] = frozenset([] if eos is None else [eos] if isinstance(eos, int) else eos)
+        self._weights = unique_weights(self._model)  # live tensors: loading copies into them
+
+        # Shared with the decode thread, guarded by _cond.
+        self._cond = threading.Condition()
+        self._waiting: deque[_Sequence] = deque()
+        self._updates: list[_WeightUpdate] = []
+        self._closing = False
+        self._thread = threading.Thread(target=self._run, name="hf-rollout", daemon=True)
+        self._thread.start()
+
+    # ----------------------------------------------------------------------------- public API
+
+    @property
+    def version(self) -> int:
+        """The weight version serving new tokens."""
+        return self._version
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The served model, for inspection and hooks; change weights only via ``submit_weights``."""
+        return self._model
+
+    def generate(self, requests: Sequence[GenerationRequest]) -> AsyncIterator[Sample]:
+        """Queue every request now; the returned stream yields samples as they finish.
+
+        Closing the stream early (``aclose()``, cancellation) drops its unfinished requests.
+        Must be called from a running event loop, which is where the samples are delivered.
+        """
+        for request in requests:
+            _validate(request)
+        call = _Call(asyncio.get_running_loop(), asyncio.Queue())
+        call.sequences = [_Sequence(r, call, _request_generator(r)) for r in requests]
+        with self._cond:
+            if self._closing:
+                raise EngineClosedError("generate() on a closed engine")
+            self._waiting.extend(call.sequences)
+            self._cond.notify()
+        return self._stream(call)
+
+    def submit_weights(self, named_tensors: NamedTensors, version: int) -> Future[None]:
+        """Schedule new weights for the next step boundary; thread-safe, returns at once.
+
+        ``named_tensors`` must name every weight (``engines.torch_weights.unique_weights``)
+        exactly once with its shape (any dtype/device; converted on load). It is read on the decode thread, so it must be a
+        stable snapshot. The returned future completes once ``version`` serves new tokens, or
+        fails (unknown/missing names, wrong shapes, ``version`` not above the current one)
+        leaving the old weights serving untouched.
+        """
+        update = _WeightUpdate(named_tensors, version, Future())
+        with self._cond:
+            if self._closing:
+                raise EngineClosedError("submit_weights() on a closed engine")
+            self._updates.append(update)
+            self._cond.notify()
+        return update.done
+
+    async def update_weights(self, named_tensors: NamedTensors, version: int) -> None:
+        """``submit_weights`` awaited from an event loop."""
+        await asyncio.wrap_future(self.submit_weights(named_tensors, version))
+
+    def close(self) -> None:
+        """Stop the decode thread; unfinished requests and updates fail with EngineClosedError."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify()
+        self._thread.join()
+
+    async def aclose(self) -> None:
+        await asyncio.to_thread(self.close)
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    # ----------------------------------------------------------------------- caller side
+
+    async def _stream(self, call: _Call) -> AsyncIterator[Sample]:
+        try:
+            for _ in range(len(call.sequences)):
+                item = await call.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            call.cancel()  # a no-op for finished sequences; frees the slots of the rest
+
+    # ----------------------------------------------------------------------- decode thread
+
+    def _run(self) -> None:
+        apply_thread_budget(self._num_threads)
+        batch: _Batch | None = None
+        while True:
+            with self._cond:
+                while not (self._closing or self._updates or self._waiting or batch is not None):
+                    self._cond.wait()
+                if self._closing:
+                    break
+                updates, self._updates = self._updates, []
+                joining = self._take_waiting(self._max_batch_size - (len(batch.rows) if batch else 0))
+            try:
+                with torch.no_grad():
+                    for update in updates:
+                        batch = self._apply_update(update, batch)
+                    if batch is not None:
+                        batch = _select(batch, [i for i, row in enumerate(batch.rows) if not row.cancelled])
+                    if joining:
+                        batch = self._admit(batch, joining)
+                    if batch is not None:
+                        batch = self._decode_step(batch)
+            except Exception as exc:  # a failed step fails the work it touched, not the engine
+                for seq in (batch.rows if batch else []) + joining:
+                    seq.call.deliver(exc)
+                for update in updates:
+                    if not update.done.done():
+                        update.done.set_exception(exc)
+                batch = None
+        closed = EngineClosedError("engine closed")
+        with self._cond:
+            leftovers, self._waiting = list(self._waiting), deque()
+            updates, self._updates = self._updates, []
+        for seq in (batch.rows if batch else []) + leftovers:
+            seq.call.deliver(closed)
+        for update in updates:
+            update.done.set_exception(closed)
+
+    def _take_waiting(self, free: int) -> list[_Sequence]:
+        taken: list[_Sequence] = []
+        while self._waiting and len(taken) < free:
+            seq = self._waiting.popleft()
+            if not seq.cancelled:
+                taken.append(seq)
+        return taken
+
+    def _prefill(self, rows: list[_Sequence], token_lists: list[list[int]]) -> list[tuple[_Batch, torch.Tensor]]:
+        """Encode each row's tokens from scratch; rows of equal length share one padding-free forward.
+
+        Returns one (batch, last-position logits) pair per length group.
+        """
+        groups: dict[int, list[int]] = {}
+        for i, tokens in enumerate(token_lists):
+            groups.setdefault(len(tokens), []).append(i)
+        out = []
+        for idx in groups.values():
+            ids = torch.tensor([token_lists[i] for i in idx], device=self._device)
+            cache = DynamicCache()
+            logits = self._model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+            mask = torch.ones(ids.shape, dtype=torch.long, device=self._device)
+            out.append((_Batch([rows[i] for i in idx], cache, mask), logits[:, -1]))
+        return out
+
+    def _admit(self, batch: _Batch | None, joining: list[_Sequence]) -> _Batch | None:
+        blocks = [] if batch is None else [batch]
+        for block, logits in self._prefill(joining, [s.request.prompt_ids for s in joining]):
+            kept = _select(block, self._append_tokens(block.rows, logits))
+            if kept is not None:
+                blocks.append(kept)
+        return _merge(blocks) if blocks else None
+
+    def _decode_step(self, batch: _Batch) -> _Batch | None:
+        rows = batch.rows
+        input_ids = torch.tensor([[s.response_ids[-1]] for s in rows], device=self._device)
+        positions = torch.tensor(
+            [[len(s.request.prompt_ids) + len(s.response_ids) - 1] for s in rows], device=self._device
+        )
+        mask = F.pad(batch.mask, (0, 1), value=1)
+        logits = self._model(
+            input_ids=input_ids,
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=batch.cache,
+            use_cache=True,
+        ).logits[:, -1]
+        batch.mask = mask
+        return _select(batch, self._append_tokens(rows, logits))
+
+    def _append_tokens(self, rows: list[_Sequence], logits: torch.Tensor) -> list[int]:
+        """Sample one token per row, deliver the rows that finish, return the indices of the rest."""
+        tokens, logprobs = self._sample(rows, logits)
+        still_running = []
+        for i, (seq, token, logprob) in enumerate(zip(rows, tokens, logprobs, strict=True)):
+            seq.response_ids.append(token)
+            seq.logprobs.append(logprob)
+            seq.versions.append(self._version)
+            reason = self._finish_reason(seq)
+            if reason is None:
+                still_running.append(i)
+            else:
+                seq.call.deliver(self._to_sample(seq, reason))
+        return still_running
+
+    def _sample(self, rows: list[_Sequence], logits: torch.Tensor) -> tuple[list[int], list[float]]:
+        """Inverse-CDF sampling over the top-k/top-p filtered, temperature-scaled distribution."""
+        vocab = logits.shape[-1]
+        params = [s.request.params for s in rows]
+        temperature = torch.tensor([[p.temperature] for p in params], device=logits.device)
+        logprobs = torch.log_softmax(logits.float() / temperature, dim=-1)
+        # Sorted order makes both filters prefixes of each row (stable: ties in a fixed order).
+        sorted_lp, order = logprobs.sort(dim=-1, descending=True, stable=True)
+        probs = sorted_lp.exp()
+        rank = torch.arange(vocab, device=logits.device)
+        top_k = torch.tensor([[p.top_k or vocab] for p in params], device=logits.device)
+        top_p = torch.tensor([[p.top_p] for p in params], device=logits.device)
+        # Keep a token while the mass before it is below top_p: the token crossing top_p stays.
+        keep = (rank < top_k) & (probs.cumsum(-1) - probs < top_p)
+        cdf = (probs * keep).cumsum(-1)
+        uniforms = torch.cat([torch.rand(1, generator=s.generator) for s in rows]).to(logits.device)
+        target = uniforms.unsqueeze(1) * cdf[:, -1:]
+        index = torch.searchsorted(cdf, target, right=True)
+        index = torch.minimum(index, keep.sum(-1, keepdim=True) - 1)  # rounding at the top end
+        return order.gather(1, index).squeeze(1).tolist(), sorted_lp.gather(1, index).squeeze(1).tolist()
+
+    def _finish_reason(self, seq: _Sequence) -> FinishReason | None:
+        params = seq.request.params
+        if seq.response_ids[-1] in self._eos_ids:
+            return FinishReason.STOP
+        if params.stop:
+            text = self._tokenizer.decode(seq.response_ids, skip_special_tokens=True)
+            if any(stop in text for stop in params.stop):
+                return FinishReason.STOP
+        if len(seq.response_ids) >= params.max_new_tokens:
+            return FinishReason.LENGTH
+        return None
+
+    def _to_sample(self, seq: _Sequence, reason: FinishReason) -> Sample:
+        request = seq.request
+        return Sample(
+            prompt_id=request.prompt_id,
+            index=request.index,
+            prompt_ids=list(request.prompt_ids),
+            response_ids=seq.response_ids,
+            behaviour_logprobs=seq.logprobs,
+            token_versions=seq.versions,
+            start_version=seq.versions[0],
+            finish_reason=reason,
+            response_text=self._tokenizer.decode(seq.response_ids, skip_special_tokens=True),
+            resumed=seq.resumed,
+        )
+
+    def _apply_update(self, update: _WeightUpdate, batch: _Batch | None) -> _Batch | None:
+        """Load new weights all-or-nothing, then resume in-flight rows per the resume policy."""
+        try:
+            staged = self._stage(update)
+        except Exception as exc:
+            update.done.set_exception(exc)
+            return batch
+        # Same shape, dtype and device on both sides: nothing left to fail half-way through.
+        for name, weight in self._weights.items():
+            weight.copy_(staged[name])
+        self._version = update.version
+        update.done.set_result(None)  # the new weights serve from here even if a resume fails
+        return self._resume_in_flight(batch)
+
+    def _resume_in_flight(self, batch: _Batch | None) -> _Batch | None:
+        """After a weight change: mark the in-flight rows and, under RECOMPUTE, rebuild their cache."""
+        if batch is None:
+            return None
+        for seq in batch.rows:
+            seq.resumed = self._resume_policy
+        if self._resume_policy is ResumePolicy.KEEP_CACHE:
+            return batch
+        rows = batch.rows
+        return _merge([block for block, _ in self._prefill(rows, [s.cached_ids for s in rows])])
+
+    def _stage(self, update: _WeightUpdate) -> dict[str, torch.Tensor]:
+        """Read and check every tensor, converted to the model's device/dtype, before touching the model."""
+        if update.version <= self._version:
+            raise ValueError(f"weight version {update.version} is not above the serving version {self._version}")
+        items = update.named_tensors.items() if isinstance(update.named_tensors, Mapping) else update.named_tensors
+        staged: dict[str, torch.Tensor] = {}
+        for name, tensor in items:
+            weight = self._weights.get(name)
+            if weight is None:
+                raise KeyError(f"unknown weight {name!r}")
+            if name in staged:
+                raise KeyError(f"weight {name!r} given twice")
+            if tensor.shape != weight.shape:
+                raise ValueError(f"{name}: shape {tuple(tensor.shape)} != {tuple(weight.shape)}")
+            staged[name] = tensor.detach().to(device=weight.device, dtype=weight.dtype)
+        if missing := self._weights.keys() - staged.keys():
+            raise KeyError(f"missing weights: {sorted(missing)}")
+        return staged

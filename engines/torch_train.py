@@ -1,0 +1,325 @@
+"""The embedded torch engines: the trained policy (``TorchTrainEngine``) and a frozen scorer (``TorchLogProbEngine``).
+
+What they own: one transformers causal LM each (plus, for training, its AdamW optimizer and
+LR schedule) and one dedicated worker thread with its own CPU thread budget. Every method
+that touches the model runs on that thread, so the model needs no locks and the event loop
+never computes; ``async`` methods await the worker's future.
+
+Invariants:
+- log-probs are ``log_softmax(logits / temperature)`` of each response token, float32,
+  aligned with ``Sample.response_ids``; the rollout engine samples at the same temperature
+  and returns the same quantity, so on equal weights the two agree to float rounding;
+- ``TorchTrainEngine.version`` counts optimizer steps (plus the ``start_version`` it resumed at);
+- one ``train_step`` is one optimizer step over all its groups, whatever the number of
+  micro-batches: each micro-batch loss (a mean over its tokens or its sequences) is weighted
+  by the micro-batch's share of the step's tokens or sequences, so the accumulated gradient
+  equals that of the same mean over the whole step;
+- the model stays in ``eval()`` mode while training: dropout would make the recomputed
+  log-probs disagree with the ones the losses compare them to.
+
+Single process only: data parallelism over several processes is not implemented yet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import math
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Literal, Self, TypeVar
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from algorithms.batch import LossInputs
+from engines.threads import budgeted_executor
+from engines.torch_microbatch import MicroBatch, collate, plan_micro_batches, response_logprobs
+from engines.torch_weights import unique_weights
+from pipeline.records import RolloutGroup, Sample
+
+__all__ = ["LossFn", "LossMeanOver", "TorchLogProbEngine", "TorchTrainEngine"]
+
+LossFn = Callable[[LossInputs], tuple[torch.Tensor, dict[str, float]]]
+# What a loss averages over inside a micro-batch: "tokens" for a token mean, "sequences" for
+# a mean over sequences (of per-sequence token means or sums).
+LossMeanOver = Literal["tokens", "sequences"]
+_T = TypeVar("_T")
+
+
+class _TorchModelEngine:
+    """A model on a dedicated worker thread that scores samples in token-budget micro-batches."""
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        device: str | torch.device,
+        dtype: torch.dtype,
+        temperature: float,
+        max_tokens_per_micro_batch: int,
+        num_threads: int,
+        version: int,
+        thread_name: str,
+    ) -> None:
+        if temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
+        if max_tokens_per_micro_batch < 1:
+            raise ValueError(f"max_tokens_per_micro_batch must be >= 1, got {max_tokens_per_micro_batch}")
+        self._device = torch.device(device)
+        self._temperature = temperature
+        self._max_tokens = max_tokens_per_micro_batch
+        self._version = version
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+        self._model = model.to(self._device).eval()
+        self._executor = budgeted_executor(thread_name, num_threads)
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The model, for inspection; mutate it only through the engine's methods."""
+        return self._model
+
+    async def logprobs(self, samples: Sequence[Sample]) -> list[list[float]]:
+        """Per-token log-probs of each sample's response tokens, aligned with ``response_ids``."""
+        logprobs, _ = await self.logprobs_and_entropy(samples)
+        return logprobs
+
+    async def logprobs_and_entropy(self, samples: Sequence[Sample]) -> tuple[list[list[float]], list[list[float]]]:
+        """Per-token log-probs and entropies of each sample's response tokens."""
+        return await self._on_worker(self._score, samples)
+
+    def close(self) -> None:
+        """Finish queued work and stop the worker thread."""
+        self._executor.shutdown(wait=True)
+
+    async def aclose(self) -> None:
+        await asyncio.to_thread(self.close)
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    async def _on_worker(self, fn: Callable[..., _T], *args: Any) -> _T:
+        return await asyncio.wrap_future(self._executor.submit(fn, *args))
+
+    def _micro_batches(self, samples: Sequence[Sample], indices: list[int]) -> Iterator[MicroBatch]:
+        lengths = [len(samples[i].prompt_ids) + samples[i].num_tokens for i in indices]
+        for group in plan_micro_batches(lengths, self._max_tokens):
+            yield collate(samples, [indices[j] for j in group], self._device)
+
+    def _score(self, samples: Sequence[Sample]) -> tuple[list[list[float]], list[list[float]]]:
+        logprobs: list[list[float]] = [[] for _ in samples]
+        entropies: list[list[float]] = [[] for _ in samples]
+        scored = [i for i, s in enumerate(samples) if s.num_tokens > 0]
+        with torch.no_grad():
+            for batch in self._micro_batches(samples, scored):
+                token_logp, entropy = response_logprobs(self._model, batch, self._temperature)
+                for row, i in enumerate(batch.indices):
+                    n = samples[i].num_tokens
+                    logprobs[i] = token_logp[row, :n].tolist()
+                    entropies[i] = entropy[row, :n].tolist()
+        return logprobs, entropies
+
+
+class TorchLogProbEngine(_TorchModelEngine):
+    """A frozen model (e.g. the KL reference) that only scores; implements ``LogProbEngine``."""
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+        temperature: float = 1.0,
+        max_tokens_per_micro_batch: int = 4096,
+        num_threads: int = 1,
+        version: int = 0,
+    ) -> None:
+        super().__init__(
+            model_path,
+            device=device,
+            dtype=dtype,
+            temperature=temperature,
+            max_tokens_per_micro_batch=max_tokens_per_micro_batch,
+            num_threads=num_threads,
+            version=version,
+            thread_name="torch-logprob",
+        )
+        self._model.requires_grad_(False)
+
+
+class TorchTrainEngine(_TorchModelEngine):
+    """The trained policy: AdamW with linear warmup to a constant LR; implements ``TrainEngine``."""
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        lr: float,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+        temperature: float = 1.0,
+        weight_decay: float = 0.0,
+        warmup_steps: int = 0,
+        max_grad_norm: float = 1.0,
+        max_tokens_per_micro_batch: int = 4096,
+        num_threads: int = 1,
+        start_version: int = 0,
+    ) -> None:
+        super().__init__(
+            model_path,
+            device=device,
+            dtype=dtype,
+            temperature=temperature,
+            max_tokens_per_micro_batch=max_tokens_per_micro_batch,
+            num_threads=num_threads,
+            version=start_version,
+            thread_name="torch-train",
+        )
+        if warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
+        if max_grad_norm <= 0:
+            raise ValueError(f"max_grad_norm must be > 0, got {max_grad_norm}")
+        self._max_grad_norm = max_grad_norm
+        self._optimizer = torch.optim.AdamW(self._model.parameters(), lr=lr, weight_decay=weight_decay)
+        self._scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self._optimizer, lambda step: 1.0 if warmup_steps == 0 else min(1.0, (step + 1) / warmup_steps)
+        )
+
+    async def train_step(
+        self, groups: Sequence[RolloutGroup], loss_fn: LossFn, *, loss_mean_over: LossMeanOver = "tokens"
+    ) -> dict[str, float]:
+        """One optimizer step on every sample of ``groups``; returns its metrics.
+
+        ``loss_fn`` gets one :class:`LossInputs` per micro-batch and returns a loss that is a
+        mean over that micro-batch's real tokens or (``loss_mean_over="sequences"``) its
+        sequences with tokens, plus float metrics, averaged here with the same weights.
+        Samples without response tokens are left out. Every sample must carry its
+        ``advantage``; ``prox_logprobs`` and ``ref_logprobs`` are passed when every sample
+        has them, and refused when only some do.
+        """
+        if loss_mean_over not in ("tokens", "sequences"):
+            raise ValueError(f"loss_mean_over must be 'tokens' or 'sequences', got {loss_mean_over!r}")
+        samples = [s for g in groups for s in g.samples]
+        return await self._on_worker(self._train_step, samples, loss_fn, loss_mean_over)
+
+    def named_tensors_for_sync(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, full tensor) per weight, tied storage once (``engines.torch_weights``).
+
+        These are the live tensors: read them between train steps and copy what must outlive
+        the next one (the param-sync gather does).
+        """
+        yield from unique_weights(self._model).items()
+
+    def state_dict(self) -> dict[str, Any]:
+        """A deep copy of model, optimizer, schedule and version, taken after queued work finishes.
+
+        Blocks the caller until then; from an event loop, call it through ``asyncio.to_thread``.
+        """
+        return self._executor.submit(self._snapshot).result()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what ``state_dict`` returned (after queued work finishes; blocks like it)."""
+        self._executor.submit(self._restore, state).result()
+
+    # ------------------------------------------------------------------ worker thread only
+
+    def _snapshot(self) -> dict[str, Any]:
+        return copy.deepcopy(
+            {
+                "model": self._model.state_dict(),
+                "optimizer": self._optimizer.state_dict(),
+                "scheduler": self._scheduler.state_dict(),
+                "version": self._version,
+            }
+        )
+
+    def _restore(self, state: dict[str, Any]) -> None:
+        self._model.load_state_dict(state["model"])
+        self._optimizer.load_state_dict(state["optimizer"])
+        self._scheduler.load_state_dict(state["scheduler"])
+        self._version = state["version"]
+
+    def _train_step(self, samples: list[Sample], loss_fn: LossFn, loss_mean_over: LossMeanOver) -> dict[str, float]:
+        _check_trainable(samples)
+        has_prox = samples[0].prox_logprobs is not None
+        has_ref = samples[0].ref_logprobs is not None
+        trained = [i for i, s in enumerate(samples) if s.num_tokens > 0]
+        total_tokens = sum(samples[i].num_tokens for i in trained)
+        if total_tokens == 0:
+            raise ValueError("train_step on samples without response tokens")
+
+        self._optimizer.zero_grad(set_to_none=True)
+        sums: dict[str, float] = {}
+        num_micro_batches = 0
+        for batch in self._micro_batches(samples, trained):
+            token_logp, entropy = response_logprobs(self._model, batch, self._temperature)
+            rows = [samples[i] for i in batch.indices]
+            inputs = LossInputs(
+                logprobs=token_logp,
+                behaviour_logprobs=_padded([s.behaviour_logprobs for s in rows], batch.mask),
+                advantages=torch.tensor([[s.advantage] for s in rows], device=self._device) * batch.mask,
+                mask=batch.mask,
+                prox_logprobs=_padded([s.prox_logprobs for s in rows], batch.mask) if has_prox else None,
+                ref_logprobs=_padded([s.ref_logprobs for s in rows], batch.mask) if has_ref else None,
+                entropy=entropy,
+            )
+            loss, metrics = loss_fn(inputs)
+            if loss_mean_over == "tokens":
+                weight = batch.num_tokens / total_tokens
+            else:
+                weight = len(batch.indices) / len(trained)
+            (loss * weight).backward()
+            num_micro_batches += 1
+            mean_entropy = float(entropy.sum() / batch.mask.sum())
+            for key, value in {**metrics, "loss": float(loss.detach()), "entropy": mean_entropy}.items():
+                sums[key] = sums.get(key, 0.0) + weight * value
+
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self._model.parameters(), self._max_grad_norm))
+        if not math.isfinite(grad_norm):
+            self._optimizer.zero_grad(set_to_none=True)
+            raise FloatingPointError(f"non-finite gradient norm {grad_norm} at version {self._version}")
+        lr = self._scheduler.get_last_lr()[0]
+        self._optimizer.step()
+        self._scheduler.step()
+        self._optimizer.zero_grad(set_to_none=True)
+        self._version += 1
+        return {
+            **sums,
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "tokens": float(total_tokens),
+            "samples": float(len(samples)),
+            "micro_batches": float(num_micro_batches),
+        }
+
+
+def _check_trainable(samples: list[Sample]) -> None:
+    if not samples:
+        raise ValueError("train_step on no samples")
+    for field in ("prox_logprobs", "ref_logprobs"):
+        present = {getattr(s, field) is not None for s in samples}
+        if len(present) > 1:
+            raise ValueError(f"{field} is set on some samples and not on others")
+    for s in samples:
+        where = f"sample {s.prompt_id}/{s.index}"
+        if s.advantage is None:
+            raise ValueError(f"{where} has no advantage")
+        for name in ("behaviour_logprobs", "prox_logprobs", "ref_logprobs"):
+            values = getattr(s, name)
+            if values is not None and len(values) != s.num_tokens:
+                raise ValueError(f"{where}: {len(values)} {name} for {s.num_tokens} tokens")
+
+
+def _padded(rows: list[list[float] | None], mask: torch.Tensor) -> torch.Tensor:
+    """Right-pad per-token values to ``mask``'s shape with zeros."""
+    out = torch.zeros(mask.shape, dtype=torch.float32)
+    for b, values in enumerate(rows):
+        assert values is not None  # _check_trainable: all present when this is called
+        out[b, : len(values)] = torch.tensor(values, dtype=torch.float32)
+    return out.to(mask.device)

@@ -1,0 +1,33 @@
+"""Fixtures: tiny models on disk, built once per test session (see ``tiny_lm.py``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from tiny_lm import save_tiny_model
+from transformers import AutoModelForCausalLM
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Never emits eos, so lengths are controlled by max_new_tokens and stop strings alone."""
+    return save_tiny_model(tmp_path_factory.mktemp("tiny"), seed=0, eos=False)
+
+
+@pytest.fixture(scope="session")
+def eos_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_model(tmp_path_factory.mktemp("tiny_eos"), seed=0, eos=True)
+
+
+@pytest.fixture(scope="session")
+def v1_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Different weights for the same architecture: the 'next policy version' of ``model_dir``."""
+    return save_tiny_model(tmp_path_factory.mktemp("tiny_v1"), seed=1, eos=False)
+
+
+@pytest.fixture(scope="session")
+def v1_weights(v1_model_dir: Path) -> dict[str, torch.Tensor]:
+    model = AutoModelForCausalLM.from_pretrained(v1_model_dir)
+    return {name: p.detach().clone() for name, p in model.named_parameters()}

@@ -1,0 +1,298 @@
+"""HFRolloutEngine: continuous batching, sampling controls, and weight updates between decode steps."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from tiny_lm import EOS_ID, decode, encode
+
+from engines.hf_rollout import EngineClosedError, HFRolloutEngine
+from engines.protocols import GenerationRequest, RolloutEngine, SamplingParams
+from engines.torch_train import TorchLogProbEngine
+from pipeline.records import FinishReason, ResumePolicy, Sample
+
+PROMPTS = ["1+2=", "34+5=", "6=", "78+90=", "b", "12+3=", "c+d=", "4"]
+
+
+def requests(max_new: Sequence[int], **params: Any) -> list[GenerationRequest]:
+    """One request per prompt, with various lengths so rows join and leave mid-batch."""
+    return [
+        GenerationRequest(
+            prompt_id=i,
+            index=0,
+            prompt_ids=encode(PROMPTS[i % len(PROMPTS)]),
+            params=SamplingParams(max_new_tokens=n, **params),
+            seed=7,
+        )
+        for i, n in enumerate(max_new)
+    ]
+
+
+async def collect(stream: AsyncIterator[Sample]) -> list[Sample]:
+    return sorted([s async for s in stream], key=lambda s: (s.prompt_id, s.index))
+
+
+def max_gap(a: Sequence[float], b: Sequence[float]) -> float:
+    assert len(a) == len(b)
+    return max((abs(x - y) for x, y in zip(a, b, strict=True)), default=0.0)
+
+
+@pytest.fixture
+async def engine(model_dir: Path) -> AsyncIterator[HFRolloutEngine]:
+    async with HFRolloutEngine(str(model_dir), max_batch_size=3) as eng:
+        yield eng
+
+
+@pytest.fixture
+async def scorer(model_dir: Path) -> AsyncIterator[TorchLogProbEngine]:
+    async with TorchLogProbEngine(str(model_dir)) as eng:
+        yield eng
+
+
+def test_implements_protocol(engine: HFRolloutEngine) -> None:
+    assert isinstance(engine, RolloutEngine)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+async def test_logprobs_match_the_trainer_including_rows_that_joined_mid_batch(
+    model_dir: Path, engine: HFRolloutEngine, temperature: float
+) -> None:
+    # 8 requests through 3 slots: most join a running batch after a shorter row left it.
+    samples = await collect(engine.generate(requests([4, 11, 7, 16, 5, 9, 13, 6], temperature=temperature)))
+    async with TorchLogProbEngine(str(model_dir), temperature=temperature) as scorer:
+        recomputed = await scorer.logprobs(samples)
+    for sample, logprobs in zip(samples, recomputed, strict=True):
+        assert sample.token_versions == [0] * sample.num_tokens
+        assert sample.start_version == 0 and sample.resumed is None
+        assert max_gap(sample.behaviour_logprobs, logprobs) < 1e-4
+
+
+@pytest.mark.parametrize("params", [{}, {"top_p": 0.8}, {"top_k": 3, "temperature": 0.8}])
+async def test_continuous_batching_samples_what_one_at_a_time_samples(
+    model_dir: Path, engine: HFRolloutEngine, params: dict[str, Any]
+) -> None:
+    reqs = requests([4, 11, 7, 16, 5, 9, 13, 6], **params)
+    batched = await collect(engine.generate(reqs))
+    async with HFRolloutEngine(str(model_dir), max_batch_size=1) as alone:
+        one_by_one = [(await collect(alone.generate([r])))[0] for r in reqs]
+    assert [s.response_ids for s in batched] == [s.response_ids for s in one_by_one]
+    for a, b in zip(batched, one_by_one, strict=True):
+        assert max_gap(a.behaviour_logprobs, b.behaviour_logprobs) < 1e-4
+
+
+async def test_samples_of_a_group_differ_under_one_seed(engine: HFRolloutEngine) -> None:
+    group = [
+        GenerationRequest(prompt_id=0, index=i, prompt_ids=encode("1+2="), params=SamplingParams(max_new_tokens=8))
+        for i in range(4)
+    ]
+    samples = await collect(engine.generate(group))
+    assert [s.index for s in samples] == [0, 1, 2, 3]
+    assert len({tuple(s.response_ids) for s in samples}) == 4
+
+
+async def test_top_k_one_is_greedy(engine: HFRolloutEngine) -> None:
+    [sample] = await collect(engine.generate(requests([10], top_k=1)))
+    with torch.no_grad():  # the engine is idle: its model can be borrowed for a reference forward
+        logits = engine.model(torch.tensor([sample.prompt_ids + sample.response_ids])).logits[0]
+    prompt_len = len(sample.prompt_ids)
+    assert sample.response_ids == logits[prompt_len - 1 : -1].argmax(-1).tolist()
+
+
+async def test_max_new_tokens_and_stop_strings(engine: HFRolloutEngine) -> None:
+    [free] = await collect(engine.generate(requests([1, 20])[1:]))
+    assert free.finish_reason is FinishReason.LENGTH and free.num_tokens == 20
+    assert free.response_text == decode(free.response_ids)
+    [single] = await collect(engine.generate(requests([1])))
+    assert single.finish_reason is FinishReason.LENGTH and single.num_tokens == 1
+
+    # Same seed, same tokens: a stop string taken from the free-running text cuts it there,
+    # at the token that completes it (the stop string stays in the text, token-aligned).
+    stop = free.response_text[5:7]
+    [stopped] = await collect(engine.generate(requests([1, 20], stop=("zz", stop))[1:]))
+    n = stopped.num_tokens
+    assert stopped.finish_reason is FinishReason.STOP and n < 20
+    assert stopped.response_ids == free.response_ids[:n]
+    assert stopped.behaviour_logprobs == free.behaviour_logprobs[:n]
+    assert stopped.response_text.endswith(stop) and stop not in decode(stopped.response_ids[:-1])
+
+
+async def test_eos_stops_a_sequence(eos_model_dir: Path) -> None:
+    async with HFRolloutEngine(str(eos_model_dir), max_batch_size=4) as eng:
+        samples = await collect(eng.generate(requests([30] * 8)))
+    stopped = [s for s in samples if s.finish_reason is FinishReason.STOP]
+    assert stopped, "expected some of 8 x 30 draws over 20 tokens to hit eos"
+    for s in samples:
+        if s.finish_reason is FinishReason.STOP:
+            assert s.response_ids[-1] == EOS_ID and EOS_ID not in s.response_ids[:-1]
+        else:
+            assert EOS_ID not in s.response_ids and s.num_tokens == 30
+
+
+async def test_concurrent_generate_calls_share_the_batch(engine: HFRolloutEngine) -> None:
+    reqs = requests([6, 9, 12, 5])
+    first, second = await asyncio.gather(collect(engine.generate(reqs[:2])), collect(engine.generate(reqs[2:])))
+    together = await collect(engine.generate(reqs))
+    assert [s.response_ids for s in first + second] == [s.response_ids for s in together]
+
+
+async def test_closing_a_stream_early_drops_its_requests(engine: HFRolloutEngine) -> None:
+    stream = engine.generate(requests([2, 400, 400, 400]))
+    first = await anext(stream)
+    assert first.num_tokens == 2
+    await stream.aclose()  # the long rows leave the batch at the next step boundary
+    forwards = 0
+
+    def count(*_: object) -> None:
+        nonlocal forwards
+        forwards += 1
+
+    engine.model.register_forward_hook(count)
+    [after] = await collect(engine.generate(requests([3])))
+    assert after.num_tokens == 3
+    assert forwards < 20  # not the ~400 steps the abandoned rows would have taken
+
+
+async def test_close_fails_unfinished_work(model_dir: Path) -> None:
+    eng = HFRolloutEngine(str(model_dir), max_batch_size=1)
+    stream = eng.generate(requests([400, 400]))
+    await eng.aclose()
+    with pytest.raises(EngineClosedError):
+        await collect(stream)
+    with pytest.raises(EngineClosedError):
+        eng.generate(requests([3]))
+
+
+async def test_invalid_params_fail_at_submission(engine: HFRolloutEngine) -> None:
+    with pytest.raises(ValueError, match="temperature"):
+        engine.generate(requests([3], temperature=0.0))
+    with pytest.raises(ValueError, match="top_p"):
+        engine.generate(requests([3], top_p=0.0))
+
+
+# ------------------------------------------------------------------------- weight updates
+
+
+def update_after_forwards(engine: HFRolloutEngine, weights: dict[str, torch.Tensor], forwards: int) -> list[Future[None]]:
+    """Submit ``weights`` as version 1 from inside the k-th forward pass: it lands right after that step."""
+    submitted: list[Future[None]] = []
+    calls = 0
+
+    def hook(*_: object) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == forwards:
+            submitted.append(engine.submit_weights(weights, version=1))
+
+    engine.model.register_forward_hook(hook)
+    return submitted
+
+
+async def score_by_version(samples: list[Sample], v0_dir: Path, v1_dir: Path) -> list[tuple[list[float], list[float]]]:
+    async with TorchLogProbEngine(str(v0_dir)) as v0, TorchLogProbEngine(str(v1_dir)) as v1:
+        return list(zip(await v0.logprobs(samples), await v1.logprobs(samples), strict=True))
+
+
+def split_by_version(sample: Sample, values: Sequence[float], version: int) -> tuple[list[float], list[float]]:
+    pairs = [(b, v) for b, v, ver in zip(sample.behaviour_logprobs, values, sample.token_versions) if ver == version]
+    return [b for b, _ in pairs], [v for _, v in pairs]
+
+
+async def test_recompute_resumes_under_new_weights_with_aligned_versions(
+    model_dir: Path, v1_model_dir: Path, v1_weights: dict[str, torch.Tensor]
+) -> None:
+    async with HFRolloutEngine(str(model_dir), max_batch_size=8) as eng:
+        submitted = update_after_forwards(eng, v1_weights, forwards=5)
+        [single] = await collect(eng.generate(requests([12])))
+        submitted[0].result()
+        assert eng.version == 1
+    # Forward 1 is the prefill (token 0), forwards 2-5 decode tokens 1-4; the update lands after.
+    assert single.token_versions == [0] * 5 + [1] * 7
+    assert single.start_version == 0 and single.resumed is ResumePolicy.RECOMPUTE
+    [(old, new)] = await score_by_version([single], model_dir, v1_model_dir)
+    assert max_gap(*split_by_version(single, old, 0)) < 1e-4
+    assert max_gap(*split_by_version(single, new, 1)) < 1e-4  # the re-prefilled cache is the new policy's
+
+
+async def test_recompute_with_many_rows_of_different_lengths(
+    model_dir: Path, v1_model_dir: Path, v1_weights: dict[str, torch.Tensor]
+) -> None:
+    async with HFRolloutEngine(str(model_dir), max_batch_size=4) as eng:
+        update_after_forwards(eng, v1_weights, forwards=9)
+        samples = await collect(eng.generate(requests([4, 14, 9, 18, 6, 12, 15, 10])))
+    versions_seen = set()
+    for sample, (old, new) in zip(samples, await score_by_version(samples, model_dir, v1_model_dir), strict=True):
+        versions = sample.token_versions
+        assert versions == sorted(versions) and sample.start_version == versions[0]
+        interrupted = versions[0] == 0 and versions[-1] == 1
+        assert sample.resumed is (ResumePolicy.RECOMPUTE if interrupted else None)
+        assert max_gap(*split_by_version(sample, old, 0)) < 1e-4
+        assert max_gap(*split_by_version(sample, new, 1)) < 1e-4
+        versions_seen.add((versions[0], versions[-1]))
+    assert versions_seen >= {(0, 0), (0, 1), (1, 1)}  # finished before, interrupted, started after
+
+
+async def test_keep_cache_resumes_on_the_old_cache_and_says_so(
+    model_dir: Path, v1_model_dir: Path, v1_weights: dict[str, torch.Tensor]
+) -> None:
+    async with HFRolloutEngine(str(model_dir), resume_policy="keep_cache") as eng:
+        update_after_forwards(eng, v1_weights, forwards=5)
+        [single] = await collect(eng.generate(requests([12])))
+    assert single.token_versions == [0] * 5 + [1] * 7
+    assert single.resumed is ResumePolicy.KEEP_CACHE
+    [(old, new)] = await score_by_version([single], model_dir, v1_model_dir)
+    assert max_gap(*split_by_version(single, old, 0)) < 1e-4
+    # New weights over a cache the old ones built: not the new policy's log-probs (the gap the
+    # trainer must know about, hence Sample.resumed).
+    assert max_gap(*split_by_version(single, new, 1)) > 1e-3
+
+
+async def test_update_while_idle_serves_the_next_requests(
+    engine: HFRolloutEngine, v1_model_dir: Path, v1_weights: dict[str, torch.Tensor]
+) -> None:
+    await engine.update_weights(v1_weights.items(), version=3)
+    assert engine.version == 3
+    [sample] = await collect(engine.generate(requests([6])))
+    assert sample.token_versions == [3] * 6 and sample.resumed is None
+    async with TorchLogProbEngine(str(v1_model_dir)) as v1:
+        [logprobs] = await v1.logprobs([sample])
+    assert max_gap(sample.behaviour_logprobs, logprobs) < 1e-4
+
+
+@pytest.mark.parametrize(
+    ("mutate", "error"),
+    [
+        (lambda w: w.pop("lm_head.weight"), KeyError),
+        (lambda w: w.update(extra=torch.zeros(1)), KeyError),
+        (lambda w: w.update({"lm_head.weight": torch.zeros(3, 3)}), ValueError),
+    ],
+)
+async def test_a_rejected_update_changes_nothing(
+    engine: HFRolloutEngine, scorer: TorchLogProbEngine, v1_weights: dict[str, torch.Tensor], mutate: Any, error: type
+) -> None:
+    weights = dict(v1_weights)
+    mutate(weights)
+    with pytest.raises(error):
+        await engine.update_weights(weights, version=1)
+    with pytest.raises(ValueError, match="not above"):
+        await engine.update_weights(v1_weights, version=0)
+    assert engine.version == 0
+    [sample] = await collect(engine.generate(requests([6])))
+    [logprobs] = await scorer.logprobs([sample])
+    assert max_gap(sample.behaviour_logprobs, logprobs) < 1e-4  # still the old weights, all of them
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+async def test_bf16_on_cuda_matches_the_trainer_loosely(model_dir: Path) -> None:
+    async with HFRolloutEngine(str(model_dir), device="cuda", dtype=torch.bfloat16) as eng:
+        samples = await collect(eng.generate(requests([8, 12, 5, 9])))
+    async with TorchLogProbEngine(str(model_dir), device="cuda", dtype=torch.bfloat16) as scorer:
+        recomputed = await scorer.logprobs(samples)
+    for sample, logprobs in zip(samples, recomputed, strict=True):
+        assert max_gap(sample.behaviour_logprobs, logprobs) < 0.1

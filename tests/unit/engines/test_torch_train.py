@@ -1,0 +1,221 @@
+"""TorchTrainEngine / TorchLogProbEngine: micro-batched scoring, one optimizer step per call, checkpoints."""
+
+from __future__ import annotations
+
+import functools
+import random
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from algorithms.batch import LossInputs
+from algorithms.losses import LossConfig, compute_policy_loss
+from engines.hf_rollout import HFRolloutEngine
+from engines.protocols import GenerationRequest, LogProbEngine, SamplingParams, TrainEngine
+from engines.torch_microbatch import plan_micro_batches
+from engines.torch_train import LossFn, LossMeanOver, TorchLogProbEngine, TorchTrainEngine
+from pipeline.records import FinishReason, PromptGroup, RolloutGroup, Sample
+from tiny_lm import save_tiny_model
+
+
+def pg_loss(inputs: LossInputs) -> tuple[torch.Tensor, dict[str, float]]:
+    """Plain policy gradient, token mean over the micro-batch."""
+    loss = -(inputs.logprobs * inputs.advantages * inputs.mask).sum() / inputs.mask.sum()
+    return loss, {"pg_loss": float(loss.detach())}
+
+
+def make_groups(seed: int = 0, groups: int = 3, n: int = 4) -> list[RolloutGroup]:
+    """Random token sequences of varied lengths with alternating-sign advantages."""
+    rng = random.Random(seed)
+    out = []
+    for g in range(groups):
+        prompt = [rng.randrange(2, 20) for _ in range(rng.randint(2, 7))]
+        samples = []
+        for i in range(n):
+            response = [rng.randrange(2, 20) for _ in range(rng.randint(1, 12))]
+            samples.append(
+                Sample(
+                    prompt_id=g,
+                    index=i,
+                    prompt_ids=prompt,
+                    response_ids=response,
+                    behaviour_logprobs=[-1.0] * len(response),
+                    token_versions=[0] * len(response),
+                    start_version=0,
+                    finish_reason=FinishReason.LENGTH,
+                    advantage=1.0 if i % 2 == 0 else -1.0,
+                )
+            )
+        out.append(RolloutGroup(PromptGroup(g, "", prompt, n), samples))
+    return out
+
+
+def flat(groups: list[RolloutGroup]) -> list[Sample]:
+    return [s for g in groups for s in g.samples]
+
+
+@pytest.fixture
+async def trainer(model_dir: Path) -> AsyncIterator[TorchTrainEngine]:
+    async with TorchTrainEngine(str(model_dir), lr=1e-2, max_tokens_per_micro_batch=64) as eng:
+        yield eng
+
+
+def test_plan_micro_batches_respects_the_budget_longest_first() -> None:
+    lengths = [5, 17, 3, 9, 9, 40, 2, 11]
+    plan = plan_micro_batches(lengths, max_tokens=24)
+    assert sorted(i for mb in plan for i in mb) == list(range(len(lengths)))
+    for mb in plan:
+        longest = max(lengths[i] for i in mb)
+        assert lengths[mb[0]] == longest
+        assert len(mb) * longest <= 24 or len(mb) == 1  # an over-long sample rides alone
+    assert [lengths[mb[0]] for mb in plan] == sorted((lengths[mb[0]] for mb in plan), reverse=True)
+    assert plan[0] == [5]
+
+
+def test_implements_protocols(trainer: TorchTrainEngine) -> None:
+    assert isinstance(trainer, TrainEngine) and isinstance(trainer, LogProbEngine)
+
+
+async def test_micro_batched_logprobs_equal_one_batch(model_dir: Path) -> None:
+    samples = flat(make_groups())
+    async with (
+        TorchLogProbEngine(str(model_dir), max_tokens_per_micro_batch=1) as alone,
+        TorchLogProbEngine(str(model_dir), max_tokens_per_micro_batch=100_000) as together,
+    ):
+        lp_a, ent_a = await alone.logprobs_and_entropy(samples)
+        lp_b, ent_b = await together.logprobs_and_entropy(samples)
+    for s, a, b, ea, eb in zip(samples, lp_a, lp_b, ent_a, ent_b, strict=True):
+        assert len(a) == len(b) == len(ea) == s.num_tokens
+        assert max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-5
+        assert max(abs(x - y) for x, y in zip(ea, eb, strict=True)) < 1e-5
+        assert all(x < 0 for x in a) and all(0 < e < 3.0 for e in ea)  # entropy of 20 tokens <= ln 20
+
+
+async def test_train_step_raises_logprobs_of_positive_advantage_tokens(trainer: TorchTrainEngine) -> None:
+    groups = make_groups()
+    samples = flat(groups)
+    before_weights = {n: p.detach().clone() for n, p in trainer.named_tensors_for_sync()}
+    before = await trainer.logprobs(samples)
+    metrics = await trainer.train_step(groups, pg_loss)
+    after = await trainer.logprobs(samples)
+
+    assert trainer.version == 1
+    assert any(not torch.equal(before_weights[n], p) for n, p in trainer.named_tensors_for_sync())
+    for s, b, a in zip(samples, before, after, strict=True):
+        change = sum(a) - sum(b)
+        assert change > 0 if s.advantage > 0 else change < 0
+    assert metrics["tokens"] == sum(s.num_tokens for s in samples)
+    assert metrics["micro_batches"] > 1 and metrics["lr"] == pytest.approx(1e-2)
+    assert metrics["loss"] == pytest.approx(metrics["pg_loss"])
+    assert metrics["grad_norm"] > 0 and 0 < metrics["entropy"] < 3.0
+
+
+async def capture_grads(
+    trainer: TorchTrainEngine, groups: list[RolloutGroup], loss_fn: LossFn = pg_loss, **kwargs: Any
+) -> tuple[dict[str, torch.Tensor], float]:
+    """The accumulated (pre-clip) gradient of one train step, read as it completes."""
+    grads: dict[str, torch.Tensor] = {}
+    handles = [
+        p.register_post_accumulate_grad_hook(lambda p, name=name: grads.__setitem__(name, p.grad.clone()))
+        for name, p in trainer.model.named_parameters()
+    ]
+    metrics = await trainer.train_step(groups, loss_fn, **kwargs)
+    for handle in handles:
+        handle.remove()
+    return grads, metrics["loss"]
+
+
+@pytest.mark.parametrize(
+    ("aggregation", "mean_over"),
+    [("token-mean", "tokens"), ("seq-mean-token-mean", "sequences"), ("seq-mean-token-sum", "sequences")],
+)
+async def test_token_budget_micro_batches_give_the_one_batch_gradient(
+    model_dir: Path, aggregation: str, mean_over: LossMeanOver
+) -> None:
+    groups = make_groups()
+    loss_fn = functools.partial(compute_policy_loss, cfg=LossConfig(decoupled=False, aggregation=aggregation))
+    async with (
+        TorchTrainEngine(str(model_dir), lr=1e-2, max_tokens_per_micro_batch=16) as small,
+        TorchTrainEngine(str(model_dir), lr=1e-2, max_tokens_per_micro_batch=100_000) as big,
+    ):
+        small_grads, small_loss = await capture_grads(small, groups, loss_fn, loss_mean_over=mean_over)
+        big_grads, big_loss = await capture_grads(big, groups, loss_fn, loss_mean_over=mean_over)
+    assert small_loss == pytest.approx(big_loss, abs=1e-6)
+    for name, grad in big_grads.items():
+        assert torch.allclose(small_grads[name], grad, atol=1e-5, rtol=0), name
+
+
+async def test_state_dict_round_trip_restores_model_optimizer_schedule_and_version(model_dir: Path) -> None:
+    groups = make_groups()
+    async with TorchTrainEngine(str(model_dir), lr=1e-2, warmup_steps=3) as trainer:
+        await trainer.train_step(groups, pg_loss)
+        state = trainer.state_dict()
+        second = await trainer.train_step(groups, pg_loss)
+        after_second = {n: p.detach().clone() for n, p in trainer.named_tensors_for_sync()}
+
+        trainer.load_state_dict(state)
+        assert trainer.version == 1
+        assert all(torch.equal(state["model"][n], p) for n, p in trainer.named_tensors_for_sync())
+        replay = await trainer.train_step(groups, pg_loss)
+        assert trainer.version == 2
+        assert replay["lr"] == second["lr"] == pytest.approx(1e-2 * 2 / 3)
+        for name, p in trainer.named_tensors_for_sync():
+            assert torch.equal(p, after_second[name]), name  # same Adam moments, same update
+
+
+async def test_linear_warmup_then_constant(model_dir: Path) -> None:
+    async with TorchTrainEngine(str(model_dir), lr=0.1, warmup_steps=2) as trainer:
+        lrs = [(await trainer.train_step(make_groups(), pg_loss))["lr"] for _ in range(3)]
+    assert lrs == pytest.approx([0.05, 0.1, 0.1])
+
+
+async def test_trainer_and_reference_see_the_losses_extra_inputs(trainer: TorchTrainEngine) -> None:
+    groups = make_groups()
+    for s in flat(groups):
+        s.prox_logprobs = [-2.0] * s.num_tokens
+        s.ref_logprobs = [-3.0] * s.num_tokens
+    seen: list[LossInputs] = []
+
+    def spy(inputs: LossInputs) -> tuple[torch.Tensor, dict[str, float]]:
+        seen.append(inputs)
+        return pg_loss(inputs)
+
+    await trainer.train_step(groups, spy)
+    for inputs in seen:
+        mask = inputs.mask
+        assert inputs.logprobs.requires_grad and not inputs.behaviour_logprobs.requires_grad
+        assert inputs.prox_logprobs is not None and torch.equal(inputs.prox_logprobs, -2.0 * mask)
+        assert inputs.ref_logprobs is not None and torch.equal(inputs.ref_logprobs, -3.0 * mask)
+        assert torch.equal(inputs.behaviour_logprobs, -1.0 * mask)
+        assert torch.equal(inputs.advantages.abs(), mask)
+        assert inputs.entropy is not None and inputs.entropy.shape == mask.shape
+
+
+async def test_train_step_refuses_incomplete_samples(trainer: TorchTrainEngine) -> None:
+    groups = make_groups()
+    groups[0].samples[1].advantage = None
+    with pytest.raises(ValueError, match="no advantage"):
+        await trainer.train_step(groups, pg_loss)
+    groups = make_groups()
+    groups[0].samples[0].prox_logprobs = [0.0] * groups[0].samples[0].num_tokens
+    with pytest.raises(ValueError, match="some samples"):
+        await trainer.train_step(groups, pg_loss)
+    assert trainer.version == 0
+
+
+@pytest.mark.parametrize("tied", [False, True])
+async def test_synced_weights_make_rollout_and_trainer_agree(tmp_path: Path, tied: bool) -> None:
+    model_dir = save_tiny_model(tmp_path, seed=0, eos=False, tied=tied)
+    async with TorchTrainEngine(str(model_dir), lr=1e-2) as trainer, HFRolloutEngine(str(model_dir)) as rollout:
+        await trainer.train_step(make_groups(), pg_loss)
+        names = [name for name, _ in trainer.named_tensors_for_sync()]
+        assert ("lm_head.weight" in names) is not tied  # a tied weight travels once
+        await rollout.update_weights(trainer.named_tensors_for_sync(), trainer.version)
+        request = GenerationRequest(0, 0, [3, 4, 12], SamplingParams(max_new_tokens=10))
+        samples = [s async for s in rollout.generate([request])]
+        [logprobs] = await trainer.logprobs(samples)
+    assert samples[0].token_versions == [1] * 10
+    assert max(abs(a - b) for a, b in zip(samples[0].behaviour_logprobs, logprobs, strict=True)) < 1e-4
