@@ -14,4 +14,8 @@ def build_components(config: TandemConfig) -> Components:
         from engines.fake import build_fake_components
 
         return build_fake_components(config)
+    if kind == "torch":
+        from engines.torch_components import build_torch_components
+
+        return build_torch_components(config)
     raise ValueError(f"engines.type {kind!r} has no builder")

@@ -23,7 +23,7 @@ import random
 from collections import deque
 from collections.abc import AsyncIterator, Iterator, Sequence
 
-from engines.protocols import GenerationRequest, RewardResult, SamplingParams
+from engines.protocols import GenerationRequest, RewardResult, SamplingParams, SyncReport
 from pipeline.components import Components, SourcePrompt
 from pipeline.config import FakeEnginesConfig, LatencySpec, TandemConfig
 from pipeline.records import FinishReason, ResumePolicy, RolloutGroup, Sample
@@ -228,11 +228,11 @@ class FakeWeightSync:
         self._rollout = rollout
         self._latency = latency
 
-    async def sync(self, version: int) -> dict[str, float]:
+    async def sync(self, version: int) -> SyncReport:
         duration = self._latency()
         await _spend(duration)
         self._rollout.load_version(version)
-        return {"sync_s": duration}
+        return SyncReport(version, {"sync_s": duration})
 
 
 def synthetic_prompts(seed: int) -> Iterator[SourcePrompt]:

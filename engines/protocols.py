@@ -76,14 +76,24 @@ class TrainEngine(LogProbEngine, Protocol):
         ...
 
 
+@dataclass(slots=True, frozen=True)
+class SyncReport:
+    """What a weight sync did: the version now serving, and its timing/byte metrics."""
+
+    version: int
+    metrics: dict[str, float]
+
+
 @runtime_checkable
 class WeightSync(Protocol):
-    """Moves the trainer's weights at a given version into the rollout engines."""
+    """Moves the trainer's weights into the rollout engines."""
 
-    async def sync(self, version: int) -> dict[str, float]:
-        """Make ``version`` the one the rollout engines serve; return timing/byte metrics.
+    async def sync(self, version: int) -> SyncReport:
+        """Make at least ``version`` the one the rollout engines serve.
 
-        On failure the rollout engines keep serving their old weights and this raises.
+        The trainer may have moved on while the sync waited its turn: loading a newer version
+        than asked is allowed (fresher is never staler) and the report says which. On failure
+        the rollout engines keep serving their old weights and this raises.
         """
         ...
 

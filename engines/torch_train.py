@@ -216,6 +216,15 @@ class TorchTrainEngine(_TorchModelEngine):
         """
         yield from unique_weights(self._model).items()
 
+    async def snapshot_for_sync(self) -> tuple[int, dict[str, torch.Tensor]]:
+        """(version, detached copies of ``named_tensors_for_sync``), taken on the worker thread.
+
+        Serialised with train steps, so the copy is never torn by an optimizer step in flight.
+        """
+        return await self._on_worker(
+            lambda: (self._version, {name: t.detach().clone() for name, t in unique_weights(self._model).items()})
+        )
+
     def state_dict(self) -> dict[str, Any]:
         """A deep copy of model, optimizer, schedule and version, taken after queued work finishes.
 

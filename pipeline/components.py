@@ -6,8 +6,9 @@ fakes, the embedded torch engines and remote (Ray) engines are interchangeable.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol
 
 from engines.protocols import LogProbEngine, Reward, RolloutEngine, SamplingParams, TrainEngine, WeightSync
@@ -42,6 +43,7 @@ class Components:
     sampling: SamplingParams
     reference: LogProbEngine | None = None
     close_callbacks: list[Callable[[], None]] = field(default_factory=list)
+    save_checkpoint: Callable[[Path], Awaitable[None]] | None = None  # final weights, loadable by from_pretrained
 
     def close(self) -> None:
         """Release engine threads and resources; safe to call once the flow has stopped."""

@@ -17,13 +17,16 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 __all__ = [
     "ConfigError",
+    "AlgorithmConfig",
     "FakeEnginesConfig",
     "FlowConfig",
     "LatencySpec",
     "RoleConfig",
     "RunConfig",
     "StalenessConfig",
+    "TaskConfig",
     "TandemConfig",
+    "TorchEnginesConfig",
     "apply_overrides",
     "load_config",
     "validate_config",
@@ -229,7 +232,89 @@ class FakeEnginesConfig(_Model):
     """Time of one parameter sync."""
 
 
-EnginesConfig = Annotated[FakeEnginesConfig, Field(discriminator="type")]
+class TorchEnginesConfig(_Model):
+    """The embedded engines: a transformers rollout engine and a torch trainer, in threads."""
+
+    type: Literal["torch"] = "torch"
+    model_path: Path = Path("tasks/arithmetic/model")
+    """A local Hugging Face checkpoint folder (model + tokenizer); relative paths are taken from
+    the working directory, then from the project root."""
+    device: str = "cpu"
+    """torch device for every engine: ``cpu``, ``cuda``, ``cuda:1``..."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Weights and compute dtype."""
+    max_batch_size: int = Field(64, ge=1)
+    """Sequences the rollout engine decodes at once (continuous-batching width)."""
+    resume_policy: Literal["recompute", "keep_cache"] = "recompute"
+    """At a weight update mid-sequence: re-encode the prefix under the new weights, or keep the
+    old weights' KV cache (faster, slightly off-policy; recorded per sample either way)."""
+    generation_threads: int | None = Field(None, ge=1)
+    """CPU threads of the rollout engine; default: half the cores when generation overlaps
+    training (k >= 1), all of them when it runs alone (k = 0)."""
+    train_threads: int | None = Field(None, ge=1)
+    """CPU threads of the trainer (and the logp role, which shares it); default as above."""
+    lr: float = Field(1e-4, gt=0)
+    """AdamW learning rate."""
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW weight decay."""
+    warmup_steps: int = Field(0, ge=0)
+    """Linear LR warm-up steps, then constant."""
+    max_grad_norm: float = Field(1.0, gt=0)
+    """Gradient-norm clip."""
+    max_tokens_per_micro_batch: int = Field(4096, ge=1)
+    """Token budget of one forward/backward micro-batch (padding included)."""
+
+
+EnginesConfig = Annotated[FakeEnginesConfig | TorchEnginesConfig, Field(discriminator="type")]
+
+POLICY_LOSS_NAMES = ("ppo", "vanilla", "tis", "topr", "cispo", "kimi15")
+
+
+class AlgorithmConfig(_Model):
+    """Advantages and the policy loss (see ``algorithms/`` for the formulas and sources)."""
+
+    advantage: Literal["grpo", "rloo", "reinforce"] = "grpo"
+    """Advantage estimator over each prompt group's rewards."""
+    normalize_std: bool = True
+    """GRPO: divide by the group's reward std (False: Dr. GRPO's mean-centring only)."""
+    loss: Literal["ppo", "vanilla", "tis", "topr", "cispo", "kimi15"] = "ppo"
+    """Policy loss, with the meanings these names have in ROLL."""
+    clip_eps_low: float = Field(0.2, ge=0.0, le=1.0)
+    """PPO: ratio clipped below at 1 - eps."""
+    clip_eps_high: float = Field(0.2, ge=0.0)
+    """PPO: ratio clipped above at 1 + eps."""
+    dual_clip_c: float | None = Field(None, gt=1.0)
+    """PPO dual clip (Ye et al. 2020) for negative advantages; None = off."""
+    decoupled: bool = True
+    """Decoupled PPO (AReaL): trust region around pi_prox recomputed by the logp role, tokens
+    weighted by pi_prox / pi_behav. Needs the logp stage."""
+    behaviour_weight_cap: float = Field(5.0, ge=1.0)
+    """Decoupled: cap on pi_prox / pi_behav."""
+    behaviour_weight_mode: Literal["clamp", "mask"] = "mask"
+    """Decoupled: clamp weights above the cap, or mask those tokens."""
+    tis_cap: float = Field(1.0, gt=0.0)
+    """tis: upper truncation of the importance ratio."""
+    cispo_eps_high: float = Field(0.2, ge=0.0)
+    """cispo: IS-weight ceiling 1 + eps."""
+    kimi15_tau: float = Field(0.1, gt=0.0)
+    """kimi15: weight of the squared log-ratio penalty."""
+    kl_estimator: Literal["k1", "k2", "k3"] | None = None
+    """KL estimator against the reference model; None = no KL term."""
+    kl_coef: float = Field(0.0, ge=0.0)
+    """Weight of the KL term; > 0 needs kl_estimator and the ref_logp stage."""
+    aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
+    """How per-token losses become one number."""
+
+
+class TaskConfig(_Model):
+    """Where prompts come from and how responses are scored."""
+
+    name: Literal["arithmetic"] = "arithmetic"
+    """The verifiable task (its generator, verifier and shipped model live in ``tasks/``)."""
+    data_path: Path | None = None
+    """JSONL or Parquet file of ``{"prompt", "answer"}`` rows; None = the task's generator."""
+    reward_timeout_s: float = Field(10.0, gt=0)
+    """A verifier call slower than this scores its samples as failed (reason recorded)."""
 
 
 class ObservabilityConfig(_Model):
@@ -268,6 +353,10 @@ class TandemConfig(_Model):
     """Sampling."""
     engines: EnginesConfig = FakeEnginesConfig()
     """The compute behind the roles (discriminated on ``type``)."""
+    algorithm: AlgorithmConfig = AlgorithmConfig()
+    """Advantages and policy loss (used by the torch engines)."""
+    task: TaskConfig = TaskConfig()
+    """Prompts and rewards (used by the torch engines)."""
     observability: ObservabilityConfig = ObservabilityConfig()
     """Logs, metrics, trace."""
 
@@ -277,6 +366,19 @@ class TandemConfig(_Model):
         bad = [r for r in self.roles if r not in known]
         if bad:
             raise ValueError(f"roles has unknown role names {bad}; allowed: {sorted(known)}")
+        if self.engines.type == "torch":
+            algo, stages = self.algorithm, self.flow.stages
+            if algo.decoupled and "logp" not in stages:
+                raise ValueError(
+                    "algorithm.decoupled needs recomputed log-probs: add 'logp' to flow.stages "
+                    "or set algorithm.decoupled=false"
+                )
+            if algo.kl_coef > 0 and (algo.kl_estimator is None or "ref_logp" not in stages):
+                raise ValueError(
+                    "algorithm.kl_coef > 0 needs algorithm.kl_estimator and the 'ref_logp' stage (a reference model)"
+                )
+            if "ref_logp" in stages and algo.kl_coef == 0:
+                raise ValueError("flow.stages has ref_logp but algorithm.kl_coef is 0: the reference would go unused")
         return self
 
     @property

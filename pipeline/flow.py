@@ -26,6 +26,7 @@ from pipeline.config import TandemConfig
 from pipeline.history import RunHistory, StepRecord, SyncRecord
 from pipeline.ledger import DropRecord, Ledger
 from pipeline.metrics import FlowMetrics
+from pipeline.report import plot_run
 from pipeline.staleness import StalenessGate, VersionClock
 from pipeline.trace import TraceRecorder
 from state_machines.base import FlowServices, StageError, StateMachine
@@ -124,6 +125,8 @@ class AsyncTrainingFlow:
         log.info("flow started", stages=cfg.flow.stages, k=cfg.staleness.k, max_steps=cfg.run.max_steps, metrics_port=port)
         try:
             await self._supervise()
+            if run_dir is not None and components.save_checkpoint is not None:
+                await components.save_checkpoint(run_dir / "checkpoint")
         finally:
             metrics.close()
             self.metrics_port = None
@@ -135,6 +138,7 @@ class AsyncTrainingFlow:
         result = self._result(services, loop.time() - start, run_dir, port)
         if run_dir is not None:
             (run_dir / "summary.json").write_text(json.dumps(self._summary(result), indent=2))
+            plot_run(result.steps, run_dir / "progress.png")
         log.info("flow finished", steps=len(result.steps), wall_s=round(result.wall_s, 3), **result.ledger)
         return result
 

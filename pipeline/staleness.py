@@ -64,8 +64,12 @@ class VersionClock:
 
     async def wait_trained_beyond(self, version: int) -> int:
         """Wait until the trained version exceeds ``version``; return it."""
+        return await self.wait_trained_at_least(version + 1)
+
+    async def wait_trained_at_least(self, version: int) -> int:
+        """Wait until the trained version is at least ``version``; return it."""
         async with self.changed:
-            await self.changed.wait_for(lambda: self.trained > version)
+            await self.changed.wait_for(lambda: self.trained >= version)
             return self.trained
 
     @property

@@ -26,7 +26,12 @@ class ParamUpdateStateMachine(StateMachine):
             report = await self.work([], lambda: sync.sync(target))
             if report is None:
                 continue  # dropped: old weights keep serving, the next trained version retries
-            await clock.set_loaded(target)
-            self.version = target
+            if report.version < target:
+                raise RuntimeError(f"weight sync asked for version {target} but loaded {report.version}")
+            # A sync may load a version whose train step has not been published yet; the clock
+            # keeps loaded <= trained, so wait for it (the train role publishes right after).
+            await clock.wait_trained_at_least(report.version)
+            await clock.set_loaded(report.version)
+            self.version = report.version
             self.items_done += 1
-            self.services.history.add_sync(target, report)
+            self.services.history.add_sync(report.version, report.metrics)

@@ -1,0 +1,45 @@
+"""A picture of a run: reward and staleness per step, as a PNG in the run folder.
+
+matplotlib is an optional dependency (the ``torch`` extra); without it the plot is skipped
+with a log line, never an error, since the numbers are in ``metrics.jsonl`` anyway.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import structlog
+
+from pipeline.history import StepRecord
+
+__all__ = ["plot_run"]
+
+
+def plot_run(steps: Sequence[StepRecord], path: Path) -> bool:
+    """Write the plot; False (and a log line) when matplotlib is missing or there are no steps."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # files only: never needs a display
+        import matplotlib.pyplot as plt
+    except ImportError:
+        structlog.get_logger("tandem").info("plot skipped: matplotlib is not installed")
+        return False
+    if not steps:
+        return False
+    x = [s.step + 1 for s in steps]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    top.plot(x, [s.reward_mean for s in steps], marker=".", color="tab:green")
+    top.set_ylabel("mean reward")
+    top.grid(alpha=0.3)
+    bottom.plot(x, [sum(s.staleness) / len(s.staleness) for s in steps], marker=".", label="mean")
+    bottom.plot(x, [max(s.staleness) for s in steps], linestyle="--", label="max")
+    bottom.set_ylabel("staleness (versions)")
+    bottom.set_xlabel("optimizer step")
+    bottom.legend()
+    bottom.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
