@@ -1,0 +1,47 @@
+"""Weight sync from the trainer to the rollout engines without stopping generation.
+
+gather (:class:`SyncSource`) -> bucketize (:class:`Manifest`, :class:`BucketHeader`) ->
+:class:`DualBuffer` -> :class:`Transport` -> :class:`Receiver` -> load (:class:`SyncTarget`),
+driven by :class:`ParamSyncer`, which is the flow's ``WeightSync``.
+"""
+
+from __future__ import annotations
+
+from param_sync.bucket import BucketHeader, Manifest, TensorMeta, TensorSlice, checksum
+from param_sync.buffer import BufferHalf, DualBuffer
+from param_sync.errors import GatherError, LayoutError, StaleVersionError, SyncError, TransferError
+from param_sync.module import ModuleSource, ModuleTarget, StepGate
+from param_sync.protocols import LoadMode, SyncSource, SyncTarget, Transport
+from param_sync.receiver import LoadReport, Receiver
+from param_sync.syncer import ParamSyncer
+from param_sync.transports import DistTransport, InProcessTransport, ShmTransport, serve_dist, serve_shm
+
+__all__ = [
+    "BucketHeader",
+    "BufferHalf",
+    "DistTransport",
+    "DualBuffer",
+    "GatherError",
+    "InProcessTransport",
+    "LayoutError",
+    "LoadMode",
+    "LoadReport",
+    "Manifest",
+    "ModuleSource",
+    "ModuleTarget",
+    "ParamSyncer",
+    "Receiver",
+    "ShmTransport",
+    "StaleVersionError",
+    "StepGate",
+    "SyncError",
+    "SyncSource",
+    "SyncTarget",
+    "TensorMeta",
+    "TensorSlice",
+    "TransferError",
+    "Transport",
+    "checksum",
+    "serve_dist",
+    "serve_shm",
+]

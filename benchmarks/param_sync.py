@@ -1,0 +1,399 @@
+"""Param sync: end-to-end bandwidth per transport, and the generation stall per load mode.
+
+Transports (in-process, shared memory to a spawned rollout process, gloo broadcast between two
+spawned ranks) each sync a synthetic model of 100 MiB and 1 GiB (bf16 matrices, fp32 norms,
+an int64 buffer) into a rollout module in ``swap`` mode. Each row reports the median of
+``--reps`` syncs after one warm-up (which plans the layout and allocates the buffer):
+end-to-end GB/s (bytes / wall time of ``sync()``) and the seconds of each phase, next to the
+memcpy bandwidth (``np.copyto`` of the same size, best of 3) measured in the same run: the
+physical limit of one copy. A sync copies every byte twice (weights -> buffer -> weights) and
+checksums it twice (sender, receiver), pipelined across two threads or processes.
+
+Load modes: a fake generator runs decode steps of ``--decode-step-ms`` (a sleep: its compute
+is elsewhere, e.g. a GPU) through the rollout module's step gate while the weights are
+updated; ``stall_decode_steps`` is the longest time the generator waited to start a step
+during one update, in decode steps. ``naive`` stops generation, copies the full state dict
+and loads it; ``pause`` stops it only for the copy into the live weights; ``swap`` only for
+swapping two weight sets.
+
+Also measures the bucket checksum (a 64-bit word sum) against zlib's crc32 and adler32.
+Writes ``benchmarks/results/param_sync.json``.
+
+    python benchmarks/param_sync.py [--quick] [--reps 5] [--bucket-mb 16] [--decode-step-ms 20]
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+# This script shares its name with the package it measures: its own folder, first on sys.path
+# when run as a script, would shadow the package.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
+sys.path.insert(0, str(HERE.parent))
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import statistics
+import threading
+import time
+import zlib
+from collections.abc import Awaitable, Callable
+from multiprocessing.connection import Connection
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from rich.console import Console
+from rich.table import Table
+from torch import nn
+
+from param_sync import (
+    DistTransport,
+    InProcessTransport,
+    ModuleSource,
+    ModuleTarget,
+    ParamSyncer,
+    Receiver,
+    ShmTransport,
+    StepGate,
+    checksum,
+    serve_dist,
+    serve_shm,
+)
+from param_sync.bucket import MiB
+
+RESULTS = HERE / "results" / "param_sync.json"
+CTX = mp.get_context("spawn")
+WIDTH = 4096
+ROWS = 1024  # one bf16 matrix: 8 MiB
+SHM_TARGET = 0.5  # shared memory: at least this fraction of memcpy bandwidth
+SWAP_TARGET = 1.0  # swap: at most this many decode steps of stall
+
+
+class Layer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.full((ROWS, WIDTH), 0.5, dtype=torch.bfloat16))
+        self.norm = nn.Parameter(torch.ones(WIDTH, dtype=torch.float32))
+
+
+class Blob(nn.Module):
+    """A synthetic model of about ``size_mib`` MiB, its pages touched."""
+
+    def __init__(self, size_mib: int) -> None:
+        super().__init__()
+        per_layer = ROWS * WIDTH * 2 + WIDTH * 4
+        self.layers = nn.ModuleList(Layer() for _ in range(max(1, round(size_mib * MiB / per_layer))))
+        self.register_buffer("position_ids", torch.arange(WIDTH, dtype=torch.int64))
+
+
+def memcpy_gb_per_s(nbytes: int) -> float:
+    src = np.ones(nbytes, np.uint8)
+    dst = np.zeros(nbytes, np.uint8)
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best / 1e9
+
+
+def checksum_costs(nbytes: int = 64 * MiB) -> dict[str, float]:
+    data = np.frombuffer(np.random.default_rng(0).bytes(nbytes), np.uint8)
+    fns: dict[str, Callable[[], object]] = {
+        "sum64_gb_per_s": lambda: checksum(data),
+        "crc32_gb_per_s": lambda: zlib.crc32(data),
+        "adler32_gb_per_s": lambda: zlib.adler32(data),
+    }
+    out = {}
+    for key, fn in fns.items():
+        best = float("inf")
+        for _ in range(3):
+            t0 = time.perf_counter()
+            fn()
+            best = min(best, time.perf_counter() - t0)
+        out[key] = nbytes / best / 1e9
+    return out
+
+
+async def timed_syncs(syncer: ParamSyncer, reps: int) -> dict[str, float]:
+    """One warm-up sync, then the median (by wall time) of ``reps`` more."""
+    await syncer.sync(1)
+    runs = [await syncer.sync(version) for version in range(2, reps + 2)]
+    return sorted(runs, key=lambda m: m["total_s"])[len(runs) // 2]
+
+
+# --- transports --------------------------------------------------------------------------
+
+
+def bench_inprocess(size_mib: int, reps: int, bucket_mb: float) -> dict[str, float]:
+    async def run() -> dict[str, float]:
+        target = ModuleTarget(Blob(size_mib), load_mode="swap")
+        transport = InProcessTransport([Receiver(target, consume_bucket_mb=bucket_mb)])
+        syncer = ParamSyncer(ModuleSource(Blob(size_mib)), transport, produce_bucket_mb=bucket_mb)
+        try:
+            return await timed_syncs(syncer, reps)
+        finally:
+            await syncer.aclose()
+
+    return asyncio.run(run())
+
+
+def shm_rollout(conn: Connection, size_mib: int, bucket_mb: float) -> None:
+    torch.set_num_threads(1)
+    target = ModuleTarget(Blob(size_mib), load_mode="swap")
+    serve_shm(conn, Receiver(target, consume_bucket_mb=bucket_mb))
+
+
+def bench_shm(size_mib: int, reps: int, bucket_mb: float) -> dict[str, float]:
+    ours, theirs = CTX.Pipe()
+    rollout = CTX.Process(target=shm_rollout, args=(theirs, size_mib, bucket_mb), daemon=True)
+    rollout.start()
+    theirs.close()
+
+    async def run() -> dict[str, float]:
+        transport = ShmTransport([ours], timeout_s=120)
+        syncer = ParamSyncer(ModuleSource(Blob(size_mib)), transport, produce_bucket_mb=bucket_mb)
+        try:
+            return await timed_syncs(syncer, reps)
+        finally:
+            await syncer.aclose()
+
+    try:
+        return asyncio.run(run())
+    finally:
+        rollout.join(60)
+
+
+def dist_rank(rank: int, init_file: str, size_mib: int, reps: int, bucket_mb: float, results: mp.SimpleQueue) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        if rank == 1:
+            serve_dist(Receiver(ModuleTarget(Blob(size_mib), load_mode="swap"), consume_bucket_mb=bucket_mb))
+            return
+
+        async def run() -> dict[str, float]:
+            syncer = ParamSyncer(ModuleSource(Blob(size_mib)), DistTransport(), produce_bucket_mb=bucket_mb)
+            try:
+                return await timed_syncs(syncer, reps)
+            finally:
+                await syncer.aclose()
+
+        results.put(asyncio.run(run()))
+    finally:
+        dist.destroy_process_group()
+
+
+def bench_dist(size_mib: int, reps: int, bucket_mb: float) -> dict[str, float]:
+    init_file = f"/tmp/tandem-bench-dist-{os.getpid()}-{size_mib}"
+    results: mp.SimpleQueue = CTX.SimpleQueue()
+    ranks = [CTX.Process(target=dist_rank, args=(r, init_file, size_mib, reps, bucket_mb, results)) for r in (0, 1)]
+    for p in ranks:
+        p.start()
+    for p in ranks:
+        p.join(600)
+    if os.path.exists(init_file):
+        os.unlink(init_file)
+    if any(p.exitcode != 0 for p in ranks):
+        raise RuntimeError(f"dist ranks exited with {[p.exitcode for p in ranks]}")
+    return results.get()
+
+
+TRANSPORTS: dict[str, Callable[[int, int, float], dict[str, float]]] = {
+    "inprocess": bench_inprocess,
+    "shm": bench_shm,
+    "dist": bench_dist,
+}
+
+
+# --- load modes --------------------------------------------------------------------------
+
+
+class FakeGenerator:
+    """Decode steps of ``step_s`` each inside ``gate.step()``; records when each step asked to
+    start and how long it waited."""
+
+    def __init__(self, gate: StepGate, step_s: float) -> None:
+        self.gate = gate
+        self.step_s = step_s
+        self.waits: list[tuple[float, float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            asked = time.perf_counter()
+            with self.gate.step():
+                self.waits.append((asked, time.perf_counter() - asked))
+                time.sleep(self.step_s)
+
+    def __enter__(self) -> FakeGenerator:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+
+async def stall_per_update(
+    gate: StepGate, update: Callable[[int], Awaitable[object]], updates: int, step_s: float
+) -> tuple[float, float, float]:
+    """Worst generator wait during one update (s), and the mean update wall time (s)."""
+    await update(1)  # warm-up: layout, buffers, first-touch pages
+    worst, walls = 0.0, []
+    with FakeGenerator(gate, step_s) as generator:
+        await asyncio.sleep(2.5 * step_s)  # updates land in the middle of decode steps
+        for version in range(2, updates + 2):
+            t0 = time.perf_counter()
+            await update(version)
+            t1 = time.perf_counter()
+            walls.append(t1 - t0)
+            await asyncio.sleep(2.5 * step_s)  # the step waiting at the end of the update has started
+            worst = max([worst, *(w for asked, w in generator.waits if t0 <= asked <= t1)])
+    return worst, statistics.mean(walls), worst / step_s
+
+
+def bench_load_mode(mode: str, size_mib: int, updates: int, step_s: float, bucket_mb: float) -> dict[str, float]:
+    async def run() -> dict[str, float]:
+        trainer, rollout = Blob(size_mib), Blob(size_mib)
+        if mode == "naive":
+            gate = StepGate()
+
+            def stop_copy_resume() -> None:
+                gate.hold()
+                try:
+                    rollout.load_state_dict({k: v.detach().clone() for k, v in trainer.state_dict().items()})
+                finally:
+                    gate.release()
+
+            async def naive(version: int) -> None:
+                await asyncio.to_thread(stop_copy_resume)
+
+            stall_s, update_s, steps = await stall_per_update(gate, naive, updates, step_s)
+        else:
+            target = ModuleTarget(rollout, load_mode="pause" if mode == "pause" else "swap")
+            transport = InProcessTransport([Receiver(target, consume_bucket_mb=bucket_mb)])
+            syncer = ParamSyncer(ModuleSource(trainer), transport, produce_bucket_mb=bucket_mb)
+            try:
+                stall_s, update_s, steps = await stall_per_update(target.gate, syncer.sync, updates, step_s)
+            finally:
+                await syncer.aclose()
+        return {"stall_s": stall_s, "update_s": update_s, "stall_decode_steps": steps}
+
+    return asyncio.run(run())
+
+
+# --- main --------------------------------------------------------------------------------
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="16 and 64 MiB instead of 100 MiB and 1 GiB")
+    parser.add_argument("--reps", type=int, default=5, help="timed syncs per transport and size")
+    parser.add_argument("--updates", type=int, default=3, help="updates per load mode")
+    parser.add_argument("--decode-step-ms", type=float, default=20.0)
+    parser.add_argument("--bucket-mb", type=float, default=16.0, help="produce and consume bucket size (MiB)")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    torch.set_num_threads(1)  # two cores: one per side of each sync
+    sizes = [16, 64] if args.quick else [100, 1024]
+    step_s = args.decode_step_ms / 1e3
+    console = Console(width=160)
+
+    costs = checksum_costs()
+    rows: list[dict[str, object]] = []
+    for size in sizes:
+        memcpy = memcpy_gb_per_s(size * MiB)
+        for name, bench in TRANSPORTS.items():
+            console.log(f"{name}: {size} MiB")
+            m = bench(size, args.reps, args.bucket_mb)
+            rows.append(
+                {
+                    "transport": name,
+                    "size_mb": size,
+                    "bytes": int(m["bytes"]),
+                    "gb_per_s": m["gb_per_s"],
+                    "memcpy_gb_per_s": memcpy,
+                    "fraction_of_memcpy": m["gb_per_s"] / memcpy,
+                    **{k: m[k] for k in ("gather_s", "checksum_s", "send_s", "verify_s", "load_s", "stall_s", "total_s")},
+                }
+            )
+    for mode in ("naive", "pause", "swap"):
+        console.log(f"load mode {mode}: {sizes[-1]} MiB")
+        rows.append(
+            {
+                "load_mode": mode,
+                "size_mb": sizes[-1],
+                "decode_step_s": step_s,
+                **bench_load_mode(mode, sizes[-1], args.updates, step_s, args.bucket_mb),
+            }
+        )
+
+    transport_rows = [r for r in rows if "transport" in r]
+    mode_rows = [r for r in rows if "load_mode" in r]
+    shm_ok = all(r["fraction_of_memcpy"] >= SHM_TARGET for r in transport_rows if r["transport"] == "shm")
+    swap_ok = all(r["stall_decode_steps"] <= SWAP_TARGET for r in mode_rows if r["load_mode"] == "swap")
+
+    table = Table(title="param sync: end-to-end bandwidth (swap mode, median of reps)")
+    for col in ("transport", "MiB", "GB/s", "memcpy GB/s", "% memcpy", "gather s", "checksum s", "send s", "verify s", "load s", "total s"):
+        table.add_column(col, justify="right")
+    for r in transport_rows:
+        table.add_row(
+            str(r["transport"]), str(r["size_mb"]), f"{r['gb_per_s']:.2f}", f"{r['memcpy_gb_per_s']:.2f}",
+            f"{100 * r['fraction_of_memcpy']:.0f}%",
+            *(f"{r[k]:.3f}" for k in ("gather_s", "checksum_s", "send_s", "verify_s", "load_s", "total_s")),
+        )  # fmt: skip
+    console.print(table)
+    modes = Table(title=f"generation stall per update ({sizes[-1]} MiB, decode step {args.decode_step_ms:g} ms)")
+    for col in ("load mode", "stall s", "stall decode steps", "update s"):
+        modes.add_column(col, justify="right")
+    for r in mode_rows:
+        modes.add_row(str(r["load_mode"]), f"{r['stall_s']:.4f}", f"{r['stall_decode_steps']:.3f}", f"{r['update_s']:.3f}")
+    console.print(modes)
+    console.print(
+        "checksum (64 MiB): "
+        + ", ".join(f"{k.removesuffix('_gb_per_s')} {v:.1f} GB/s" for k, v in costs.items())
+    )
+    console.print(f"targets: shm >= {SHM_TARGET:.0%} of memcpy: {shm_ok}; swap stall <= {SWAP_TARGET:g} decode step: {swap_ok}")
+
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(
+        json.dumps(
+            {
+                "benchmark": "param_sync",
+                "quick": args.quick,
+                "config": {
+                    "reps": args.reps,
+                    "updates": args.updates,
+                    "bucket_mb": args.bucket_mb,
+                    "transport_load_mode": "swap",
+                    "torch_threads_per_process": 1,
+                    "cpus": os.cpu_count(),
+                    # Other work on the machine shares its cores: read the numbers with this.
+                    "load_average_1m_at_end": os.getloadavg()[0],
+                },
+                "checksum": costs,
+                "targets": {
+                    "shm_fraction_of_memcpy_min": SHM_TARGET,
+                    "shm_met": shm_ok,
+                    "swap_stall_decode_steps_max": SWAP_TARGET,
+                    "swap_met": swap_ok,
+                },
+                "rows": rows,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
+    console.print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

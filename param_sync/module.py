@@ -1,0 +1,214 @@
+"""Adapters that make any ``torch.nn.Module`` a sync source (trainer) or target (rollout).
+
+The weights are the module's ``state_dict``: parameters and persistent buffers, each storage
+once (a tied weight travels under its first name and lands in every alias on the other side).
+
+:class:`StepGate` is the decode-step boundary. The generator runs each decode step inside
+``target.decode_step()``; the target changes weights only while it holds the gate, which it
+takes between two steps. So a decode step never sees two versions, and a generator waits
+for at most the time the gate is held: the whole copy in ``pause`` mode, the pointer swap in
+``swap`` mode (the update itself waits for the running step to finish, the generator does not).
+
+Invariants of :class:`ModuleTarget`:
+- ``loaded_version`` only moves forward and names the weights every decode step since the last
+  commit has seen;
+- ``swap`` mode keeps a second, idle copy of every weight; updates are written only there and
+  become live by swapping each tensor's storage (``tensor.data``) under the gate, so an aborted
+  update never touches the live weights. The generator must read the weights through the
+  module on every step (a CUDA graph or compiled kernel that captured data pointers would
+  keep the old ones: use ``pause`` mode there);
+- ``pause`` mode copies into the live weights while holding the gate; an update aborted after
+  its first copy keeps generation paused (a half-loaded model never serves) until the next
+  update commits.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
+
+import torch
+from torch import nn
+
+from param_sync.bucket import Manifest, TensorSlice, dtype_name
+from param_sync.errors import LayoutError, StaleVersionError, SyncError
+from param_sync.protocols import LoadMode
+
+__all__ = ["ModuleSource", "ModuleTarget", "StepGate"]
+
+
+def _unique_weights(module: nn.Module) -> dict[str, torch.Tensor]:
+    """``state_dict`` with keep_vars: the live tensors, each tied storage once, first name wins."""
+    out: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, tensor in module.state_dict(keep_vars=True).items():
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            out[name] = tensor
+    return out
+
+
+class ModuleSource:
+    """A :class:`~param_sync.protocols.SyncSource` over a module that holds full tensors."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def named_tensors_for_sync(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in _unique_weights(self.module).items():
+            yield name, tensor.detach()
+
+
+class StepGate:
+    """Decode steps and weight changes exclude each other; a waiting weight change goes first.
+
+    Waits need no timeout of their own: ``hold`` waits for at most the running decode steps,
+    ``step`` for at most one hold.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._steps = 0  # decode steps running now
+        self._held = False
+        self._waiting = 0  # holds waiting for the running steps to end; they block new steps
+
+    @contextmanager
+    def step(self) -> Iterator[None]:
+        """Run one decode step; waits while weights are being changed."""
+        with self._cond:
+            self._cond.wait_for(lambda: not self._held and not self._waiting)
+            self._steps += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._steps -= 1
+                self._cond.notify_all()
+
+    def hold(self) -> None:
+        """Wait for the running decode steps to end and keep new ones from starting."""
+        with self._cond:
+            self._waiting += 1
+            try:
+                self._cond.wait_for(lambda: not self._steps and not self._held)
+            finally:
+                self._waiting -= 1
+            self._held = True
+
+    def release(self) -> None:
+        with self._cond:
+            self._held = False
+            self._cond.notify_all()
+
+    @property
+    def held(self) -> bool:
+        return self._held
+
+
+class ModuleTarget:
+    """A :class:`~param_sync.protocols.SyncTarget` that loads into a module's own tensors."""
+
+    def __init__(self, module: nn.Module, *, load_mode: LoadMode = "swap", version: int = 0) -> None:
+        if load_mode not in ("pause", "swap"):
+            raise ValueError(f"load_mode must be 'pause' or 'swap', got {load_mode!r}")
+        self.module = module
+        self.gate = StepGate()
+        self._mode: LoadMode = load_mode
+        self._version = version
+        # Every name (tied aliases included) -> the live tensor object; its .data may be swapped.
+        self._by_name: dict[str, torch.Tensor] = dict(module.state_dict(keep_vars=True))
+        # Each distinct tensor -> its first name (built in reverse so the first name wins).
+        self._first_name = {id(t): name for name, t in reversed(list(self._by_name.items()))}
+        for name, tensor in self._by_name.items():
+            if not tensor.is_contiguous():
+                raise ValueError(f"weight {name!r} is not contiguous; it cannot be loaded as raw bytes")
+        # A copy, not empty_like: its pages are touched now rather than faulted in (slowly) by
+        # the first update.
+        self._idle: dict[int, torch.Tensor] = (
+            {tid: self._by_name[name].detach().clone() for tid, name in self._first_name.items()}
+            if load_mode == "swap"
+            else {}
+        )
+        self._pending: int | None = None  # version of the update in progress
+        self._dst: dict[str, torch.Tensor] = {}  # name -> uint8 view of the tensor being loaded
+        self._held_at = 0.0
+        self._dirty = False  # pause mode: live weights partly overwritten by an unfinished update
+
+    @property
+    def load_mode(self) -> LoadMode:
+        return self._mode
+
+    @property
+    def loaded_version(self) -> int:
+        return self._version
+
+    def decode_step(self) -> AbstractContextManager[None]:
+        """Wrap each decode step in this: weights never change inside it."""
+        return self.gate.step()
+
+    def begin_update(self, manifest: Manifest) -> None:
+        if self._pending is not None:
+            raise SyncError(f"update to version {self._pending} is still in progress")
+        if manifest.version < self._version:
+            raise StaleVersionError(f"version {manifest.version} is older than loaded version {self._version}")
+        dst: dict[str, torch.Tensor] = {}
+        covered: dict[int, str] = {}
+        for meta in manifest.tensors:
+            live = self._by_name.get(meta.name)
+            if live is None:
+                raise LayoutError(f"the rollout module has no weight {meta.name!r}")
+            if meta.dtype != dtype_name(live.dtype) or meta.shape != tuple(live.shape):
+                raise LayoutError(
+                    f"{meta.name}: sent as {meta.dtype}{list(meta.shape)}, held as "
+                    f"{dtype_name(live.dtype)}{list(live.shape)} (dtypes are never cast)"
+                )
+            tid = id(live)
+            if tid in covered:
+                raise LayoutError(f"{meta.name!r} and {covered[tid]!r} share one tensor here but were sent apart")
+            covered[tid] = meta.name
+            into = self._idle[tid] if self._mode == "swap" else live.detach()
+            dst[meta.name] = into.reshape(-1).view(torch.uint8)
+        missing = [name for tid, name in self._first_name.items() if tid not in covered]
+        if missing:
+            raise LayoutError(f"the transfer leaves {len(missing)} weights unset, e.g. {missing[:3]}")
+        if self._mode == "swap":
+            self._wait_for_device()  # the idle set was live until the last swap
+        elif not self.gate.held:  # held already if an aborted update left the weights dirty
+            self.gate.hold()
+            self._held_at = time.perf_counter()
+        self._dst, self._pending = dst, manifest.version
+
+    def load_bucket(self, slices: Sequence[TensorSlice]) -> None:
+        if self._pending is None:
+            raise SyncError("load_bucket outside an update")
+        if self._mode == "pause":
+            self._dirty = True
+        for piece in slices:
+            self._dst[piece.name][piece.start : piece.start + piece.data.size].copy_(torch.from_numpy(piece.data))
+
+    def commit(self, version: int) -> float:
+        if self._pending != version:
+            raise SyncError(f"commit of version {version}, but the update in progress is {self._pending}")
+        if self._mode == "swap":
+            self.gate.hold()
+            self._held_at = time.perf_counter()
+            for tid, idle in self._idle.items():
+                live = self._by_name[self._first_name[tid]]
+                self._idle[tid], live.data = live.data, idle
+        self._version = version
+        self._pending, self._dst, self._dirty = None, {}, False
+        held_s = time.perf_counter() - self._held_at
+        self.gate.release()
+        return held_s
+
+    def abort(self) -> None:
+        self._pending, self._dst = None, {}
+        if self._mode == "pause" and not self._dirty:
+            self.gate.release()
+
+    def _wait_for_device(self) -> None:
+        devices = {t.device for t in self._idle.values() if t.device.type == "cuda"}
+        for device in devices:
+            torch.cuda.synchronize(device)

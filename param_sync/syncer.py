@@ -1,0 +1,270 @@
+"""ParamSyncer: the trainer-side driver of a weight sync (``engines.protocols.WeightSync``).
+
+One ``sync(version)`` runs the path gather -> bucketize -> dual buffer -> transport -> load:
+a gather thread copies each full tensor from the :class:`SyncSource` into the inactive half of
+the :class:`DualBuffer` and hands each finished bucket (with its checksum) to a send thread,
+which streams it through the :class:`Transport` to every receiver while the next bucket is
+gathered. The event loop only awaits the two threads, which the syncer owns (its own pool of
+two, so work elsewhere on the loop's default executor can never starve a transfer).
+
+Invariants:
+- gathers are serial (one version at a time reads the trainer's weights) and transfers run
+  one at a time in the order their versions were gathered; the gather of ``v + 1`` may overlap
+  the transfer of ``v`` because they use different halves of the buffer. A sync releases the
+  gather lock only while holding the send lock, so the transfer that last read a half has
+  finished before the next gather writes it;
+- versions only move forward: the buffer rejects a version older than the newest gathered,
+  and each target rejects one older than the one it serves;
+- a sync that fails raises a :class:`SyncError` after every receiver has either committed the
+  whole version or aborted it: each engine serves one complete version, and the next sync
+  starts from scratch. A cancelled caller does not cancel the sync: it runs to its end in the
+  background, so the buffer and the receivers stay consistent;
+- the layout (names, dtypes, shapes, offsets) is planned on the first sync by walking the
+  source once, and re-planned on the sync after the source's layout changed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TypeVar
+
+import torch
+
+from param_sync.bucket import MiB, BucketHeader, Manifest, checksum, plan_manifest, tensor_bytes
+from param_sync.buffer import BufferHalf, DualBuffer
+from param_sync.errors import GatherError, LayoutError, SyncError, TransferError
+from param_sync.feed import BucketFeed
+from param_sync.protocols import SyncSource, Transport
+from param_sync.receiver import LoadReport
+
+__all__ = ["ParamSyncer"]
+
+_T = TypeVar("_T")
+
+
+@dataclass(slots=True, frozen=True)
+class _Gathered:
+    gather_s: float  # reading the source and copying into the buffer
+    checksum_s: float
+
+
+@dataclass(slots=True, frozen=True)
+class _Sent:
+    reports: list[LoadReport]
+    send_s: float  # wall time of the transfer, overlapping the gather and the loads
+
+
+class ParamSyncer:
+    """Moves the source's weights into every receiver of ``transport``, version by version.
+
+    ``produce_bucket_mb`` (MiB) is the unit of checksumming and streaming; ``name_map`` turns
+    trainer names into rollout names (names it lacks pass unchanged).
+    """
+
+    def __init__(
+        self,
+        source: SyncSource,
+        transport: Transport,
+        *,
+        produce_bucket_mb: float = 64.0,
+        name_map: Mapping[str, str] | None = None,
+    ) -> None:
+        if produce_bucket_mb <= 0:
+            raise ValueError(f"produce_bucket_mb must be positive, got {produce_bucket_mb}")
+        self.source = source
+        self.transport = transport
+        self._bucket_nbytes = max(1, int(produce_bucket_mb * MiB))
+        self._name_map = dict(name_map or {})
+        self._manifest: Manifest | None = None
+        self._buffer: DualBuffer | None = None
+        self._gather_lock = asyncio.Lock()
+        self._send_lock = asyncio.Lock()
+        self._tasks: set[asyncio.Task[dict[str, float]]] = set()
+        # One gather and one send at a time at most (see the locks), so two threads suffice.
+        self._threads = ThreadPoolExecutor(max_workers=2, thread_name_prefix="param-sync")
+        self._loaded: dict[str, int] = {}
+
+    @property
+    def loaded_versions(self) -> dict[str, int]:
+        """The version each engine reported serving after the last transfer it answered."""
+        return dict(self._loaded)
+
+    async def sync(self, version: int) -> dict[str, float]:
+        """Make ``version`` the one every engine serves; return bytes and seconds per phase.
+
+        Raises :class:`SyncError` (the engines keep their previous weights) on failure.
+        """
+        task = asyncio.get_running_loop().create_task(self._sync(version), name=f"param-sync-v{version}")
+        self._tasks.add(task)
+        task.add_done_callback(self._settled)
+        return await asyncio.shield(task)
+
+    async def aclose(self) -> None:
+        """Wait for syncs in flight, free the buffer and close the transport."""
+        if self._tasks:
+            await asyncio.wait(set(self._tasks))
+        if self._buffer is not None:
+            self._buffer.close()
+            self._buffer = None
+        await self._in_thread(self.transport.close)
+        self._threads.shutdown()
+
+    def _settled(self, task: asyncio.Task[dict[str, float]]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled():
+            # Marks the error retrieved: a cancelled caller has stopped waiting for it.
+            task.exception()
+
+    async def _sync(self, version: int) -> dict[str, float]:
+        start = time.perf_counter()
+        async with self._gather_lock:
+            manifest, buffer = await self._prepare()
+            half = buffer.inactive(version)
+            manifest = manifest.with_version(version)
+            feed = BucketFeed()
+            gathering = self._in_thread(self._gather, manifest, half, feed)
+            await self._send_lock.acquire()
+            sending = self._in_thread(self._send, manifest, half, feed)
+            try:
+                gathered = await gathering
+            except BaseException as exc:
+                # The transfer is aborting; it must end before the next sync writes this half.
+                await asyncio.wait([sending])
+                self._send_lock.release()
+                if not sending.cancelled():
+                    sending.exception()  # the gather's failure is the one to report
+                if isinstance(exc, LayoutError):
+                    self._manifest = None  # re-plan on the next sync
+                if isinstance(exc, SyncError):
+                    raise
+                raise GatherError(f"gathering version {version} failed: {exc}") from exc
+            buffer.publish(version)
+        try:
+            sent = await sending
+        except SyncError:
+            raise
+        except Exception as exc:
+            raise TransferError(f"transfer of version {version} failed: {type(exc).__name__}: {exc}") from exc
+        finally:
+            self._send_lock.release()
+        return self._metrics(manifest, gathered, sent, time.perf_counter() - start)
+
+    async def _prepare(self) -> tuple[Manifest, DualBuffer]:
+        """The layout and a buffer that fits it, planned and allocated when missing."""
+        if self._manifest is None:
+            try:
+                manifest = await self._in_thread(self._plan)
+            except SyncError:
+                raise
+            except Exception as exc:
+                raise GatherError(f"reading the trainer's weights to plan the layout failed: {exc}") from exc
+            if self._buffer is None or self._buffer.nbytes != manifest.total_nbytes:
+                async with self._send_lock:  # no transfer still reads the old halves
+                    halves = await self._in_thread(self._allocate, manifest.total_nbytes)
+                    old = self._buffer
+                    # The version carries over: a new layout does not let versions go back.
+                    self._buffer = DualBuffer(halves, version=None if old is None else old.version)
+                    if old is not None:
+                        old.close()
+            self._manifest = manifest
+        assert self._buffer is not None
+        return self._manifest, self._buffer
+
+    def _in_thread(self, fn: Callable[..., _T], *args: object) -> asyncio.Future[_T]:
+        return asyncio.get_running_loop().run_in_executor(self._threads, fn, *args)
+
+    def _allocate(self, nbytes: int) -> tuple[BufferHalf, BufferHalf]:
+        first = self.transport.allocate(nbytes)
+        try:
+            return first, self.transport.allocate(nbytes)
+        except BaseException:
+            first.release()
+            raise
+
+    def _plan(self) -> Manifest:
+        entries = (
+            (self._name_map.get(name, name), t.dtype, tuple(t.shape), t.numel() * t.element_size())
+            for name, t in self.source.named_tensors_for_sync()
+        )
+        return plan_manifest(entries, bucket_nbytes=self._bucket_nbytes, version=-1)
+
+    def _gather(self, manifest: Manifest, half: BufferHalf, feed: BucketFeed) -> _Gathered:
+        """Copy each tensor into ``half`` at its offset; hand on each bucket once it is full."""
+        t0 = time.perf_counter()
+        checksum_s = 0.0
+        out = torch.from_numpy(half.array)
+        metas = manifest.tensors
+        seq = count = 0
+        try:
+            for count, (name, tensor) in enumerate(self.source.named_tensors_for_sync(), 1):
+                name = self._name_map.get(name, name)
+                if count > len(metas) or not metas[count - 1].matches(name, tensor):
+                    raise LayoutError(f"the trainer's weights changed layout at {name!r} (tensor {count})")
+                meta = metas[count - 1]
+                data = tensor_bytes(tensor)
+                # Copy up to each bucket boundary, then checksum the bucket while it is still in
+                # cache: a second pass over memory would cost as much as the copy.
+                pos, end = meta.offset, meta.offset + meta.nbytes
+                while pos < end:
+                    stop = min(end, (pos // manifest.bucket_nbytes + 1) * manifest.bucket_nbytes)
+                    out[pos:stop].copy_(data[pos - meta.offset : stop - meta.offset])
+                    seq, spent = self._emit(manifest, half, feed, seq, stop)
+                    checksum_s += spent
+                    pos = stop
+            if count != len(metas):
+                raise LayoutError(f"the trainer now has {count} weights, the layout {len(metas)}")
+        except BaseException as exc:
+            feed.fail(exc)
+            raise
+        finally:
+            del out  # no view of the buffer may outlive the gather (shared memory must unmap)
+        feed.close()
+        return _Gathered(time.perf_counter() - t0 - checksum_s, checksum_s)
+
+    @staticmethod
+    def _emit(manifest: Manifest, half: BufferHalf, feed: BucketFeed, seq: int, written: int) -> tuple[int, float]:
+        """Hand on every bucket that lies wholly in ``[0, written)``; returns the next seq."""
+        spent = 0.0
+        while seq < manifest.bucket_count:
+            start, stop = manifest.bucket_range(seq)
+            if stop > written:
+                break
+            t0 = time.perf_counter()
+            value = checksum(half.array[start:stop])
+            spent += time.perf_counter() - t0
+            feed.put(BucketHeader(manifest.version, seq, manifest.bucket_count, start, stop - start, value))
+            seq += 1
+        return seq, spent
+
+    def _send(self, manifest: Manifest, half: BufferHalf, feed: BucketFeed) -> _Sent:
+        t0 = time.perf_counter()
+        reports = self.transport.send(manifest, half, feed)
+        return _Sent(reports, time.perf_counter() - t0)
+
+    def _metrics(self, manifest: Manifest, gathered: _Gathered, sent: _Sent, total_s: float) -> dict[str, float]:
+        reports = sent.reports
+        for report in reports:
+            self._loaded[report.engine] = report.version
+        failed = [r for r in reports if not r.ok]
+        if failed:
+            detail = "; ".join(f"{r.engine} (serving {r.version}): {r.error}" for r in failed)
+            raise TransferError(f"version {manifest.version} not loaded by {len(failed)} of {len(reports)} engines: {detail}")
+        metrics = {
+            "version": float(manifest.version),
+            "bytes": float(manifest.total_nbytes),
+            "buckets": float(manifest.bucket_count),
+            "gather_s": gathered.gather_s,
+            "checksum_s": gathered.checksum_s,
+            "send_s": sent.send_s,
+            "verify_s": max((r.verify_s for r in reports), default=0.0),
+            "load_s": max((r.load_s for r in reports), default=0.0),
+            "stall_s": max((r.stall_s for r in reports), default=0.0),
+            "total_s": total_s,
+            "gb_per_s": manifest.total_nbytes / total_s / 1e9 if total_s > 0 else 0.0,
+        }
+        metrics.update({f"loaded_version/{r.engine}": float(r.version) for r in reports})
+        return metrics

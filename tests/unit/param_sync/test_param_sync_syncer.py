@@ -1,0 +1,253 @@
+"""ParamSyncer end to end in one process: bit-identical weights, versions only forward, every
+broken transfer rejected whole with the old weights serving, and generation never seeing two
+versions in one decode step."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from param_sync_models import (
+    DecodeLoop,
+    FaultyTransport,
+    FlakySource,
+    Net,
+    fill_random,
+    fill_version,
+    raw_state,
+)
+
+from engines.protocols import WeightSync
+from param_sync import (
+    GatherError,
+    InProcessTransport,
+    LayoutError,
+    ModuleSource,
+    ModuleTarget,
+    ParamSyncer,
+    Receiver,
+    StaleVersionError,
+    TransferError,
+)
+
+TINY_MB = 256 / 2**20  # 256-byte buckets: the small test model spans many of them
+
+
+def rig(
+    mode: str = "swap", *, engines: int = 1, produce_mb: float = TINY_MB, consume_mb: float = 100 / 2**20, **net_kwargs
+):
+    trainer = Net(**net_kwargs)
+    rollouts = [Net(**net_kwargs) for _ in range(engines)]
+    for i, module in enumerate(rollouts):
+        fill_random(module, 100 + i)
+    targets = [ModuleTarget(m, load_mode=mode) for m in rollouts]
+    receivers = [Receiver(t, consume_bucket_mb=consume_mb, engine=f"r{i}") for i, t in enumerate(targets)]
+    transport = FaultyTransport(InProcessTransport(receivers))
+    source = FlakySource(trainer)
+    return trainer, rollouts, targets, transport, ParamSyncer(source, transport, produce_bucket_mb=produce_mb)
+
+
+def test_the_syncer_is_the_flows_weight_sync() -> None:
+    *_, syncer = rig()
+    assert isinstance(syncer, WeightSync)
+
+
+@pytest.mark.parametrize("mode", ["swap", "pause"])
+@pytest.mark.parametrize(("produce_mb", "consume_mb"), [(TINY_MB, 100 / 2**20), (64.0, 64.0), (1 / 2**20, 7 / 2**20)])
+async def test_weights_are_bit_identical_after_sync_for_every_dtype(mode: str, produce_mb: float, consume_mb: float) -> None:
+    trainer, rollouts, targets, _, syncer = rig(mode, engines=2, produce_mb=produce_mb, consume_mb=consume_mb)
+    dtypes = {t.dtype for t in trainer.state_dict().values()}
+    assert {torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.bool, torch.float64} <= dtypes
+    for version in (1, 2):
+        fill_random(trainer, version)  # raw random bits: any cast would change some of them
+        metrics = await syncer.sync(version)
+        for rollout, target in zip(rollouts, targets, strict=True):
+            assert raw_state(rollout) == raw_state(trainer)
+            assert target.loaded_version == version
+            assert rollout.head.weight is rollout.embed.weight  # still tied
+        assert metrics["version"] == version and metrics["loaded_version/r1"] == version
+    assert syncer.loaded_versions == {"r0": 2, "r1": 2}
+    await syncer.aclose()
+
+
+async def test_metrics_report_bytes_and_seconds_per_phase() -> None:
+    trainer, _, _, _, syncer = rig()
+    metrics = await syncer.sync(1)
+    expected_bytes = sum(t.numel() * t.element_size() for _, t in ModuleSource(trainer).named_tensors_for_sync())
+    assert metrics["bytes"] >= expected_bytes  # plus alignment padding
+    for key in ("gather_s", "checksum_s", "send_s", "verify_s", "load_s", "stall_s", "total_s", "gb_per_s"):
+        assert metrics[key] >= 0, key
+    assert metrics["buckets"] > 1 and metrics["total_s"] >= metrics["gather_s"]
+
+
+async def test_name_map_translates_trainer_names_to_rollout_names() -> None:
+    trainer = torch.nn.ModuleDict({"layer": torch.nn.Linear(4, 4, dtype=torch.bfloat16)})
+    rollout = torch.nn.ModuleDict({"block": torch.nn.Linear(4, 4, dtype=torch.bfloat16)})
+    target = ModuleTarget(rollout)
+    syncer = ParamSyncer(
+        ModuleSource(trainer),
+        InProcessTransport([Receiver(target)]),
+        name_map={"layer.weight": "block.weight", "layer.bias": "block.bias"},
+    )
+    await syncer.sync(1)
+    assert torch.equal(rollout["block"].weight, trainer["layer"].weight)
+    assert torch.equal(rollout["block"].bias, trainer["layer"].bias)
+
+
+async def test_versions_only_move_forward() -> None:
+    trainer, (rollout,), (target,), _, syncer = rig()
+    fill_random(trainer, 3)
+    await syncer.sync(3)
+    served = raw_state(rollout)
+    fill_random(trainer, 2)
+    with pytest.raises(StaleVersionError):
+        await syncer.sync(2)
+    assert target.loaded_version == 3 and raw_state(rollout) == served
+    fill_random(trainer, 3)
+    await syncer.sync(3)  # the same version again is a retry, not a step back
+    assert target.loaded_version == 3
+
+
+async def test_an_engine_ahead_of_the_trainer_rejects_the_older_version() -> None:
+    trainer, rollout = Net(), Net()
+    fill_random(rollout, 9)
+    served = raw_state(rollout)
+    target = ModuleTarget(rollout, version=5)
+    syncer = ParamSyncer(ModuleSource(trainer), InProcessTransport([Receiver(target, engine="ahead")]))
+    with pytest.raises(TransferError, match="ahead.*older than loaded version 5"):
+        await syncer.sync(4)
+    assert raw_state(rollout) == served and syncer.loaded_versions == {"ahead": 5}
+
+
+@pytest.mark.parametrize("mode", ["swap", "pause"])
+@pytest.mark.parametrize(
+    ("fault", "message"),
+    [
+        ("drop_last", "incomplete"),
+        ("reorder", "out-of-order"),
+        ("corrupt", "corrupt"),
+        ("wrong_version", "is for version"),
+        ("killed", "sender killed midway"),
+    ],
+)
+async def test_a_broken_transfer_is_rejected_whole_and_the_next_one_succeeds(mode: str, fault: str, message: str) -> None:
+    trainer, (rollout,), (target,), transport, syncer = rig(mode)
+    fill_random(trainer, 1)
+    await syncer.sync(1)
+    served = raw_state(rollout)
+    fill_random(trainer, 2)
+    transport.arm(fault)
+    with pytest.raises(TransferError, match=message):
+        await syncer.sync(2)
+    assert raw_state(rollout) == served  # the old weights keep serving, untouched
+    assert target.loaded_version == 1 and not target.gate.held
+    await syncer.sync(2)
+    assert raw_state(rollout) == raw_state(trainer) and target.loaded_version == 2
+
+
+@pytest.mark.parametrize("mode", ["swap", "pause"])
+async def test_a_gather_killed_midway_leaves_the_old_weights_and_the_next_sync_succeeds(mode: str) -> None:
+    trainer, (rollout,), (target,), _, syncer = rig(mode)
+    source = syncer.source
+    assert isinstance(source, FlakySource)
+    fill_random(trainer, 1)
+    await syncer.sync(1)
+    served = raw_state(rollout)
+    fill_random(trainer, 2)
+    source.arm(after=3)
+    with pytest.raises(GatherError, match="trainer died"):
+        await syncer.sync(2)
+    assert raw_state(rollout) == served and target.loaded_version == 1 and not target.gate.held
+    await syncer.sync(2)
+    assert raw_state(rollout) == raw_state(trainer) and target.loaded_version == 2
+
+
+async def test_one_failing_engine_does_not_hold_back_the_others() -> None:
+    trainer = Net()
+    good, bad = Net(), Net(width=8)
+    targets = [ModuleTarget(good), ModuleTarget(bad)]
+    receivers = [Receiver(targets[0], engine="good"), Receiver(targets[1], engine="bad")]
+    syncer = ParamSyncer(ModuleSource(trainer), InProcessTransport(receivers))
+    fill_random(trainer, 1)
+    with pytest.raises(TransferError, match="1 of 2 engines: bad"):
+        await syncer.sync(1)
+    assert raw_state(good) == raw_state(trainer)
+    assert syncer.loaded_versions == {"good": 1, "bad": 0}
+
+
+async def test_a_changed_trainer_layout_fails_once_then_is_replanned() -> None:
+    trainer, (rollout,), _, _, syncer = rig()
+    await syncer.sync(1)
+
+    class Reordered:
+        def named_tensors_for_sync(self):
+            return reversed(list(ModuleSource(trainer).named_tensors_for_sync()))
+
+    syncer.source = Reordered()
+    fill_random(trainer, 2)
+    with pytest.raises(LayoutError, match="changed layout"):
+        await syncer.sync(2)
+    await syncer.sync(2)
+    assert raw_state(rollout) == raw_state(trainer)
+
+
+async def test_overlapping_syncs_complete_in_version_order() -> None:
+    trainer, (rollout,), (target,), _, syncer = rig()
+    results = await asyncio.gather(syncer.sync(1), syncer.sync(2), syncer.sync(3))
+    assert [m["version"] for m in results] == [1, 2, 3]
+    assert target.loaded_version == 3
+    late = await asyncio.gather(syncer.sync(5), syncer.sync(4), return_exceptions=True)
+    assert isinstance(late[1], StaleVersionError) and target.loaded_version == 5
+    assert raw_state(rollout) == raw_state(trainer)
+
+
+async def test_a_cancelled_caller_does_not_cut_a_sync_in_half() -> None:
+    trainer, (rollout,), (target,), _, syncer = rig()
+    fill_random(trainer, 1)
+    caller = asyncio.create_task(syncer.sync(1))
+    await asyncio.sleep(0)
+    caller.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await caller
+    await syncer.aclose()  # waits for the sync, which finished whole in the background
+    assert target.loaded_version == 1 and raw_state(rollout) == raw_state(trainer)
+
+
+@pytest.mark.parametrize("mode", ["swap", "pause"])
+async def test_generation_never_sees_two_versions_in_one_decode_step(mode: str) -> None:
+    trainer, (rollout,), (target,), _, syncer = rig(mode, produce_mb=64 / 2**20, consume_mb=32 / 2**20)
+    fill_version(trainer, 0)
+    fill_version(rollout, 0)
+    with DecodeLoop(target, step_s=0.002) as loop:
+        for version in range(1, 13):
+            fill_version(trainer, version)
+            await syncer.sync(version)
+            await asyncio.sleep(0.004)  # let some steps run on each version
+    assert loop.mixed == []
+    assert len(loop.waits) >= 12
+    assert target.loaded_version == 12 and rollout.steps.tolist() == [12] * 5
+
+
+async def test_swap_stalls_generation_for_less_than_one_decode_step() -> None:
+    step_s = 0.05
+    trainer, (rollout,), (target,), _, syncer = rig("swap", produce_mb=1.0, consume_mb=1.0, width=512)
+    with DecodeLoop(target, step_s=step_s) as loop:
+        await asyncio.sleep(step_s / 2)  # syncs land in the middle of decode steps
+        stalls = [(await syncer.sync(version))["stall_s"] for version in (1, 2, 3)]
+        await asyncio.sleep(step_s)
+    assert max(loop.waits) < step_s
+    assert max(stalls) < step_s
+    assert raw_state(rollout) == raw_state(trainer)
+
+
+async def test_a_source_that_fails_before_the_first_sync_is_reported_and_retried() -> None:
+    trainer, (rollout,), (target,), _, syncer = rig()
+    source = syncer.source
+    assert isinstance(source, FlakySource)
+    source.arm(after=0)  # the very first walk (the layout plan) dies
+    with pytest.raises(GatherError, match="plan the layout"):
+        await syncer.sync(1)
+    assert target.loaded_version == 0
+    await syncer.sync(1)
+    assert raw_state(rollout) == raw_state(trainer)
