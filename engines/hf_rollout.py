@@ -42,11 +42,12 @@ from typing import Self
 import numpy as np
 import torch
 import torch.nn.functional as F
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers import AutoModelForCausalLM, DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from engines.protocols import GenerationRequest
 from engines.threads import apply_thread_budget
+from engines.tokenizer import load_tokenizer
 from engines.torch_weights import unique_weights
 from pipeline.records import FinishReason, ResumePolicy, Sample
 
@@ -212,7 +213,7 @@ class HFRolloutEngine:
         layer_types = {type(layer) for layer in DynamicCache(config=model.config).layers}
         if layer_types - {DynamicLayer}:
             raise NotImplementedError(f"{model_path}: cache layers {layer_types} are not supported")
-        self._tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self._tokenizer = load_tokenizer(model_path)
         eos = model.generation_config.eos_token_id
         self._eos_ids: frozenset[int] = frozenset([] if eos is None else [eos] if isinstance(eos, int) else eos)
         self._weights = unique_weights(self._model)  # live tensors: loading copies into them

@@ -21,6 +21,7 @@ import torch
 from engines.hf_rollout import HFRolloutEngine
 from engines.protocols import SamplingParams, SyncReport
 from engines.rl_trainer import RLTrainer
+from engines.tokenizer import load_tokenizer
 from engines.torch_train import TorchLogProbEngine, TorchTrainEngine
 from engines.verifier_reward import VerifierReward
 from pipeline.components import Components, SourcePrompt
@@ -126,8 +127,6 @@ def file_prompts(path: Path, tokenizer: Any) -> Any:
 
 def build_torch_components(config: TandemConfig) -> Components:
     """The embedded bundle for a config whose ``engines.type`` is ``torch``."""
-    from transformers import AutoTokenizer
-
     from tasks.arithmetic import verify
 
     spec = config.engines
@@ -136,7 +135,7 @@ def build_torch_components(config: TandemConfig) -> Components:
     dtype = _DTYPES[spec.dtype]
     gen_threads, train_threads = thread_budgets(config)
     r = config.rollout
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    tokenizer = load_tokenizer(model_path)
     prompts = file_prompts(config.task.data_path, tokenizer) if config.task.data_path else task_prompts(tokenizer)
     rollout = HFRolloutEngine(
         model_path, device=spec.device, dtype=dtype, max_batch_size=spec.max_batch_size,

@@ -24,7 +24,13 @@ from pipeline.staleness import Admission
 from state_machines.base import State, StateMachine
 from state_machines.messages import Generation
 
-__all__ = ["GenerateStateMachine"]
+__all__ = ["GenerateStateMachine", "request_seed"]
+
+
+def request_seed(run_seed: int, prompt_id: int, index: int) -> int:
+    """The sampling seed of one sequence: a function of the run seed and the sample alone, so a
+    sample's tokens do not depend on the schedule that generated it."""
+    return hash((run_seed, prompt_id, index)) & 0x7FFFFFFF
 
 
 class GenerateStateMachine(StateMachine):
@@ -91,7 +97,7 @@ class GenerateStateMachine(StateMachine):
         seed = self.config.run.seed
         todo = {
             (g.prompt_id, i): GenerationRequest(
-                g.prompt_id, i, g.prompt_ids, components.sampling, seed=hash((seed, g.prompt_id, i)) & 0x7FFFFFFF
+                g.prompt_id, i, g.prompt_ids, components.sampling, seed=request_seed(seed, g.prompt_id, i)
             )
             for g in groups
             for i in range(g.n)

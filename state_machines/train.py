@@ -37,7 +37,8 @@ class TrainStateMachine(StateMachine):
             for group in items:
                 pending.setdefault(group.step, []).append(group)
             while step < self.config.run.max_steps and len(pending.get(step, ())) >= per_step:
-                batch = pending.pop(step)
+                # Prompt order, not arrival order: the same batch always gives the same update.
+                batch = sorted(pending.pop(step), key=lambda g: g.prompt_id)
                 if await self._train(step, batch):
                     step += 1
 

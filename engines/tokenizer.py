@@ -1,0 +1,23 @@
+"""Loading a checkpoint's tokenizer exactly as its ``tokenizer.json`` defines it.
+
+transformers 5's ``AutoTokenizer`` picks a class from the model type and lets that class
+replace the normalizer and pre-tokenizer: for any ``qwen2`` checkpoint it installs Qwen's
+byte-level regex, which silently drops characters outside Qwen's vocabulary (our shipped
+character tokenizer lost every ``"\\n"``, so prompts no longer matched training and reward
+fell to zero). A checkpoint that ships ``tokenizer.json`` is loaded from that file as is.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+__all__ = ["load_tokenizer"]
+
+
+def load_tokenizer(model_path: str | Path) -> PreTrainedTokenizerBase:
+    """The tokenizer of a local checkpoint: its ``tokenizer.json`` verbatim when present."""
+    if (Path(model_path) / "tokenizer.json").is_file():
+        return PreTrainedTokenizerFast.from_pretrained(str(model_path))
+    return AutoTokenizer.from_pretrained(str(model_path))

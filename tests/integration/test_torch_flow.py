@@ -1,0 +1,87 @@
+"""The flow on the real engines and the shipped model (CPU): schedules and learning."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+import torch
+
+from engines.rl_trainer import RLTrainer
+from engines.torch_components import build_torch_components
+from pipeline import AsyncTrainingFlow
+from pipeline.config import TandemConfig, validate_config
+from pipeline.records import RolloutGroup
+from tasks.arithmetic import MAX_RESPONSE_TOKENS, MODEL_DIR
+from tests.conftest import merge
+from tests.integration.sync_baseline import synchronous_baseline
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not (MODEL_DIR / "config.json").is_file(), reason="the shipped model is missing"),
+]
+
+SMALL: dict[str, Any] = {
+    "run": {"max_steps": 3, "seed": 1},
+    "staleness": {"max_staleness": 0},
+    "train": {"prompts_per_step": 4},
+    "rollout": {"samples_per_prompt": 4, "max_new_tokens": MAX_RESPONSE_TOKENS},
+    "flow": {"stages": ["dataloader", "generate", "rollout", "logp", "reward", "train"], "micro_batch_size": 2},
+    "engines": {"type": "torch", "model_path": str(MODEL_DIR), "lr": 1e-3},
+    "observability": {"write_run_dir": False, "trace": False},
+}
+
+
+def small_config(**sections: Any) -> TandemConfig:
+    return validate_config(merge(SMALL, sections))
+
+
+class Recording:
+    """Wraps the trainer's train_step to keep every batch it saw."""
+
+    def __init__(self, trainer: RLTrainer) -> None:
+        self.batches: list[list[RolloutGroup]] = []
+        inner = trainer.train_step
+
+        async def train_step(groups: Sequence[RolloutGroup]) -> dict[str, float]:
+            self.batches.append(list(groups))
+            return await inner(groups)
+
+        trainer.train_step = train_step  # type: ignore[method-assign]
+
+
+def weights(trainer: Any) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in trainer.engine.model.state_dict().items()}
+
+
+def test_k0_flow_reproduces_the_synchronous_loop() -> None:
+    cfg = small_config()
+    flow_components = build_torch_components(cfg)
+    recorder = Recording(flow_components.trainer)  # type: ignore[arg-type]
+    initial = weights(flow_components.trainer)
+    try:
+        asyncio.run(AsyncTrainingFlow(cfg, flow_components).run())
+        flow_weights = weights(flow_components.trainer)
+    finally:
+        flow_components.close()
+
+    base_components = build_torch_components(cfg)
+    try:
+        baseline = asyncio.run(synchronous_baseline(cfg, base_components))
+        base_weights = weights(base_components.trainer)
+    finally:
+        base_components.close()
+
+    assert len(recorder.batches) == len(baseline) == cfg.run.max_steps
+    for flow_batch, base_batch in zip(recorder.batches, baseline, strict=True):
+        assert [g.prompt_id for g in flow_batch] == [g.prompt_id for g in base_batch]
+        for fg, bg in zip(flow_batch, base_batch, strict=True):
+            assert [s.response_ids for s in fg.samples] == [s.response_ids for s in bg.samples]
+            assert [s.reward for s in fg.samples] == [s.reward for s in bg.samples]
+            assert {v for s in fg.samples for v in s.token_versions} == {fg.step}
+    rewards = [s.reward for batch in baseline for g in batch for s in g.samples]
+    assert 0 < sum(rewards) < len(rewards), "a batch with mixed rewards is needed for the weights to move"
+    assert max((flow_weights[k] - initial[k]).abs().max().item() for k in initial) > 1e-4  # it trained
+    assert max((flow_weights[k] - base_weights[k]).abs().max().item() for k in flow_weights) < 1e-5

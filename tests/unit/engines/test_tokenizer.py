@@ -1,0 +1,24 @@
+"""The shipped checkpoint's tokenizer loads exactly as trained: every character survives."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import AutoTokenizer
+
+from engines.tokenizer import load_tokenizer
+from tasks.arithmetic import MODEL_DIR, format_prompt
+from tasks.arithmetic.tokenizer import build_tokenizer
+
+pytestmark = pytest.mark.skipif(not (MODEL_DIR / "tokenizer.json").is_file(), reason="the shipped model is missing")
+
+
+def test_loaded_tokenizer_encodes_like_the_one_the_model_was_trained_with() -> None:
+    text = format_prompt(4589, 123) + "9+3+0=12\n=4712"
+    assert load_tokenizer(MODEL_DIR)(text)["input_ids"] == build_tokenizer()(text)["input_ids"]
+
+
+def test_auto_tokenizer_would_drop_newlines_which_is_why_we_do_not_use_it() -> None:
+    # If transformers stops overriding tokenizer.json by model type, this starts failing and
+    # load_tokenizer can go back to AutoTokenizer.
+    newline = build_tokenizer().convert_tokens_to_ids("\n")
+    assert newline not in AutoTokenizer.from_pretrained(MODEL_DIR)("12+3=\n")["input_ids"]
