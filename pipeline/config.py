@@ -21,6 +21,7 @@ __all__ = [
     "FakeEnginesConfig",
     "FlowConfig",
     "LatencySpec",
+    "ParamSyncConfig",
     "RoleConfig",
     "RunConfig",
     "StalenessConfig",
@@ -306,6 +307,18 @@ class AlgorithmConfig(_Model):
     """How per-token losses become one number."""
 
 
+class ParamSyncConfig(_Model):
+    """Weight sync from trainer to rollout engines: gather -> buckets -> dual buffer -> load."""
+
+    produce_bucket_mb: float = Field(64.0, gt=0)
+    """Size of the buckets the trainer side writes into the dual buffer."""
+    consume_bucket_mb: float = Field(64.0, gt=0)
+    """Size of the pieces the rollout side loads between decode steps."""
+    load_mode: Literal["pause", "swap"] = "swap"
+    """``swap``: load into a second weight set while generating, swap between two decode steps
+    (stall <= one step); ``pause``: pause decoding, copy in place, resume."""
+
+
 class TaskConfig(_Model):
     """Where prompts come from and how responses are scored."""
 
@@ -357,6 +370,8 @@ class TandemConfig(_Model):
     """Advantages and policy loss (used by the torch engines)."""
     task: TaskConfig = TaskConfig()
     """Prompts and rewards (used by the torch engines)."""
+    param_sync: ParamSyncConfig = ParamSyncConfig()
+    """How weights reach the rollout engines (used by the torch engines)."""
     observability: ObservabilityConfig = ObservabilityConfig()
     """Logs, metrics, trace."""
 
