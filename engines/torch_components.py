@@ -25,7 +25,7 @@ from engines.tokenizer import load_tokenizer
 from engines.torch_train import TorchLogProbEngine, TorchTrainEngine
 from engines.verifier_reward import VerifierReward
 from pipeline.components import Components, SourcePrompt
-from pipeline.config import TandemConfig, TorchEnginesConfig
+from pipeline.config import ConfigError, TandemConfig, TorchEnginesConfig
 
 __all__ = ["SnapshotWeightSync", "build_torch_components", "resolve_model_path", "thread_budgets"]
 
@@ -38,9 +38,7 @@ def resolve_model_path(path: Path) -> Path:
     for candidate in (path, PROJECT_ROOT / path):
         if (candidate / "config.json").is_file():
             return candidate
-    raise FileNotFoundError(
-        f"engines.model_path: no model (config.json) at {path} or {PROJECT_ROOT / path}"
-    )
+    raise ConfigError(f"engines.model_path: no model (config.json) at {path} or {PROJECT_ROOT / path}")
 
 
 def thread_budgets(config: TandemConfig, cores: int | None = None) -> tuple[int, int]:
@@ -97,22 +95,22 @@ def file_prompts(path: Path, tokenizer: Any) -> Any:
     import datasets
 
     if not path.is_file():
-        raise FileNotFoundError(f"task.data_path: no such file {path}")
+        raise ConfigError(f"task.data_path: no such file {path}")
     kind = "parquet" if path.suffix == ".parquet" else "json"
     try:
         table = datasets.load_dataset(kind, data_files=str(path), split="train")
     except Exception as exc:  # noqa: BLE001 - datasets raises many types; name the file
-        raise ValueError(f"task.data_path: cannot read {path}: {exc}") from None
+        raise ConfigError(f"task.data_path: cannot read {path}: {exc}") from None
     rows: list[tuple[str, str | None]] = []
     for i, row in enumerate(table):
         prompt, answer = row.get("prompt"), row.get("answer")
         if not isinstance(prompt, str) or not prompt:
-            raise ValueError(f"{path}: row {i} has no non-empty string 'prompt': {row!r}")
+            raise ConfigError(f"task.data_path {path}: row {i} has no non-empty string 'prompt': {row!r}")
         if answer is not None and not isinstance(answer, str):
-            raise ValueError(f"{path}: row {i}: 'answer' must be a string, got {answer!r}")
+            raise ConfigError(f"task.data_path {path}: row {i}: 'answer' must be a string, got {answer!r}")
         rows.append((prompt, answer))
     if not rows:
-        raise ValueError(f"{path}: no rows")
+        raise ConfigError(f"task.data_path {path}: no rows")
 
     def source(seed: int) -> Iterator[SourcePrompt]:
         for epoch in range(1 << 62):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
@@ -125,6 +126,10 @@ async def _run(config: TandemConfig, progress: Progress | None) -> FlowResult:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Custom stages are named as module:Class; as with `python -m`, modules in the working
+    # directory are importable (a console script does not put it on sys.path by itself).
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     try:
         args = _parser().parse_args(argv)
     except SystemExit as exit_:  # --help, or argparse's own usage error (code 2)
@@ -149,6 +154,9 @@ def main(argv: list[str] | None = None) -> int:
         # asyncio.run has cancelled the flow, which closed its engines and wrote its trace.
         print("tandem: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except ConfigError as err:  # found while building engines or data: nothing has run
+        print(f"tandem: {err}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
     except StageError as err:
         print(f"tandem: run failed: {err}", file=sys.stderr)
         return 1
