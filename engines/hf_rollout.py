@@ -16,8 +16,9 @@ Invariants:
 - each row's cache holds exactly ``prompt + response[:-1]``; its newest token is fed next step;
 - ``len(response_ids) == len(behaviour_logprobs) == len(token_versions)``, and every token is
   stamped with the version of the weights whose logits it was sampled from;
-- weights change only between decode steps, all tensors at once or none (``submit_weights``);
-  sequences in flight at that moment are either re-prefilled under the new weights
+- weights change only between decode steps, all tensors at once or none, whether they come
+  whole (``submit_weights``) or in param_sync buckets (:class:`HFSyncTarget`); sequences in
+  flight at that moment are either re-prefilled under the new weights
   (``ResumePolicy.RECOMPUTE``, the default) or keep the cache the old weights built
   (``KEEP_CACHE``), and ``Sample.resumed`` records which;
 - behaviour log-probs are ``log_softmax(logits / temperature)`` over the full vocabulary, the
@@ -33,8 +34,9 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections import deque
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Self
@@ -49,9 +51,11 @@ from engines.protocols import GenerationRequest
 from engines.threads import apply_thread_budget
 from engines.tokenizer import load_tokenizer
 from engines.torch_weights import unique_weights
+from param_sync import LayoutError, LoadMode, Manifest, StaleVersionError, SyncError, TensorSlice
+from param_sync.bucket import dtype_name
 from pipeline.records import FinishReason, ResumePolicy, Sample
 
-__all__ = ["EngineClosedError", "HFRolloutEngine", "NamedTensors"]
+__all__ = ["EngineClosedError", "HFRolloutEngine", "HFSyncTarget", "NamedTensors"]
 
 NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 
@@ -114,6 +118,29 @@ class _WeightUpdate:
     named_tensors: NamedTensors
     version: int
     done: Future[None]
+
+    def fail(self, exc: BaseException) -> None:
+        if not self.done.done():
+            self.done.set_exception(exc)
+
+
+@dataclass(slots=True, eq=False)
+class _WeightChange:
+    """A sync target's change of weights, run by the decode thread between two decode steps.
+
+    ``apply`` runs on the decode thread and returns the version the weights now hold, or None
+    if it left them unchanged. ``started`` resolves when the decode thread stopped decoding
+    to run it; ``done`` with the seconds it ran (generation was held that long).
+    """
+
+    apply: Callable[[], int | None]
+    started: Future[None] = field(default_factory=Future)
+    done: Future[float] = field(default_factory=Future)
+
+    def fail(self, exc: BaseException) -> None:
+        for future in (self.started, self.done):
+            if not future.done():
+                future.set_exception(exc)
 
 
 def _request_generator(request: GenerationRequest) -> torch.Generator:
@@ -221,7 +248,7 @@ class HFRolloutEngine:
         # Shared with the decode thread, guarded by _cond.
         self._cond = threading.Condition()
         self._waiting: deque[_Sequence] = deque()
-        self._updates: list[_WeightUpdate] = []
+        self._updates: list[_WeightUpdate | _WeightChange] = []
         self._closing = False
         self._thread = threading.Thread(target=self._run, name="hf-rollout", daemon=True)
         self._thread.start()
@@ -235,7 +262,8 @@ class HFRolloutEngine:
 
     @property
     def model(self) -> torch.nn.Module:
-        """The served model, for inspection and hooks; change weights only via ``submit_weights``."""
+        """The served model, for inspection and hooks; change weights only via ``submit_weights``
+        or an :class:`HFSyncTarget`."""
         return self._model
 
     def generate(self, requests: Sequence[GenerationRequest]) -> AsyncIterator[Sample]:
@@ -320,7 +348,10 @@ class HFRolloutEngine:
             try:
                 with torch.no_grad():
                     for update in updates:
-                        batch = self._apply_update(update, batch)
+                        if isinstance(update, _WeightUpdate):
+                            batch = self._apply_update(update, batch)
+                        else:
+                            batch = self._apply_change(update, batch)
                     if batch is not None:
                         batch = _select(batch, [i for i, row in enumerate(batch.rows) if not row.cancelled])
                     if joining:
@@ -331,8 +362,7 @@ class HFRolloutEngine:
                 for seq in (batch.rows if batch else []) + joining:
                     seq.call.deliver(exc)
                 for update in updates:
-                    if not update.done.done():
-                        update.done.set_exception(exc)
+                    update.fail(exc)
                 batch = None
         closed = EngineClosedError("engine closed")
         with self._cond:
@@ -341,7 +371,7 @@ class HFRolloutEngine:
         for seq in (batch.rows if batch else []) + leftovers:
             seq.call.deliver(closed)
         for update in updates:
-            update.done.set_exception(closed)
+            update.fail(closed)
 
     def _take_waiting(self, free: int) -> list[_Sequence]:
         taken: list[_Sequence] = []
@@ -470,6 +500,47 @@ class HFRolloutEngine:
         update.done.set_result(None)  # the new weights serve from here even if a resume fails
         return self._resume_in_flight(batch)
 
+    def _submit_change(self, apply: Callable[[], int | None]) -> _WeightChange:
+        """Queue ``apply`` to run on the decode thread at the next step boundary; thread-safe."""
+        change = _WeightChange(apply)
+        with self._cond:
+            if self._closing:
+                raise EngineClosedError("weight change on a closed engine")
+            self._updates.append(change)
+            self._cond.notify()
+        return change
+
+    def _apply_change(self, change: _WeightChange, batch: _Batch | None) -> _Batch | None:
+        """Run a sync target's change; if it installed a version, resume in-flight rows as
+        ``_apply_update`` does."""
+        t0 = time.perf_counter()
+        change.started.set_result(None)
+        try:
+            version = change.apply()
+        except Exception as exc:
+            change.fail(exc)
+            return batch
+        if version is not None:
+            self._version = version
+        change.done.set_result(time.perf_counter() - t0)  # serving from here, as in _apply_update
+        return batch if version is None else self._resume_in_flight(batch)
+
+    def _swap_storage(self, incoming: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Decode thread only: make each tensor of ``incoming`` the storage of the weight of
+        its name (shape, dtype and device already checked) and return the storage it replaced.
+
+        Swaps ``.data`` of the module's own tensors, so every tied alias (one Parameter) and
+        every module reading it sees the new storage; nothing captured data pointers (no CUDA
+        graphs here).
+        """
+        owners = self._model.state_dict(keep_vars=True)
+        outgoing: dict[str, torch.Tensor] = {}
+        for name, tensor in incoming.items():
+            owner = owners[name]
+            outgoing[name], owner.data = owner.data, tensor
+        self._weights = unique_weights(self._model)  # views of the old storage went stale
+        return outgoing
+
     def _resume_in_flight(self, batch: _Batch | None) -> _Batch | None:
         """After a weight change: mark the in-flight rows and, under RECOMPUTE, rebuild their cache."""
         if batch is None:
@@ -499,3 +570,135 @@ class HFRolloutEngine:
         if missing := self._weights.keys() - staged.keys():
             raise KeyError(f"missing weights: {sorted(missing)}")
         return staged
+
+
+class HFSyncTarget:
+    """The engine's side of param_sync (:class:`param_sync.SyncTarget`): takes an update in
+    buckets on the receiver's thread and lets the decode thread change versions between steps.
+
+    ``pause``: ``begin_update`` parks the decode thread between two steps (it waits inside a
+    weight change); the buckets are copied into the live weights while it waits; ``commit``
+    sets the version and lets it go on. An update aborted after its first copy keeps the
+    thread parked (a half-loaded model never serves) until the next update commits.
+
+    ``swap``: a second weight set, allocated here, receives the buckets while the decode thread
+    keeps generating from the live one; ``commit`` has the decode thread swap the two sets'
+    storage between two steps (microseconds). An abort leaves the live set untouched.
+
+    Either way the version changes on the decode thread together with the weights, and
+    in-flight rows then resume per the engine's ``resume_policy`` (``_resume_in_flight``,
+    shared with ``submit_weights``). Dtypes are never converted: a transfer whose dtype or
+    shape differs from the engine's fails ``begin_update`` with a ``LayoutError`` naming the
+    weight. Use one target per engine; calls come from one thread (the receiver's).
+    """
+
+    def __init__(self, engine: HFRolloutEngine, *, load_mode: LoadMode = "swap") -> None:
+        if load_mode not in ("pause", "swap"):
+            raise ValueError(f"load_mode must be 'pause' or 'swap', got {load_mode!r}")
+        self._engine = engine
+        self._mode: LoadMode = load_mode
+        # A copy rather than empty_like: its pages are touched now, not faulted in (slowly)
+        # by the first update. Its values never serve before an update overwrote all of them.
+        self._idle = {n: t.clone() for n, t in engine._weights.items()} if load_mode == "swap" else {}
+        self._pending: int | None = None  # version of the update in progress
+        self._dst: dict[str, torch.Tensor] = {}  # name -> uint8 view of the tensor being loaded
+        # pause mode: the parked decode thread's change, and what it is told when released.
+        self._parked: _WeightChange | None = None
+        self._release: tuple[int | None] | None = None  # (version,) to commit, (None,) to abort
+        self._dirty = False  # pause mode: live weights partly overwritten by an unfinished update
+
+    @property
+    def load_mode(self) -> LoadMode:
+        return self._mode
+
+    @property
+    def loaded_version(self) -> int:
+        return self._engine.version
+
+    def begin_update(self, manifest: Manifest) -> None:
+        if self._pending is not None:
+            raise SyncError(f"update to version {self._pending} is still in progress")
+        if manifest.version < self._engine.version:
+            raise StaleVersionError(f"version {manifest.version} is older than loaded version {self._engine.version}")
+        live = self._engine._weights
+        for meta in manifest.tensors:
+            weight = live.get(meta.name)
+            if weight is None:
+                raise LayoutError(f"the rollout model has no weight {meta.name!r}")
+            if meta.dtype != dtype_name(weight.dtype) or meta.shape != tuple(weight.shape):
+                # Never cast: the trainer and rollout dtypes must match (engines.dtype sets both).
+                raise LayoutError(
+                    f"{meta.name}: sent as {meta.dtype}{list(meta.shape)}, held as "
+                    f"{dtype_name(weight.dtype)}{list(weight.shape)} (dtypes are never converted)"
+                )
+        if missing := live.keys() - {meta.name for meta in manifest.tensors}:
+            raise LayoutError(f"the transfer leaves {len(missing)} weights unset, e.g. {sorted(missing)[:3]}")
+        if self._mode == "swap":
+            self._wait_for_device()  # the idle set was live until the last swap
+            into = self._idle
+        else:
+            if self._parked is None:  # parked already if an aborted update left the weights dirty
+                change = self._engine._submit_change(self._wait_parked)
+                change.started.result()  # bounded by one decode step (raises if the engine closed)
+                self._parked = change
+            into = self._engine._weights
+        self._dst = {name: t.reshape(-1).view(torch.uint8) for name, t in into.items()}
+        self._pending = manifest.version
+
+    def load_bucket(self, slices: Sequence[TensorSlice]) -> None:
+        if self._pending is None:
+            raise SyncError("load_bucket outside an update")
+        self._dirty = self._mode == "pause"
+        for piece in slices:
+            self._dst[piece.name][piece.start : piece.start + piece.data.size].copy_(torch.from_numpy(piece.data))
+
+    def commit(self, version: int) -> float:
+        if self._pending != version:
+            raise SyncError(f"commit of version {version}, but the update in progress is {self._pending}")
+        if self._mode == "swap":
+            change = self._engine._submit_change(lambda: self._swap(version))
+        else:
+            assert self._parked is not None
+            change = self._parked
+            self._let_go(version)
+        self._pending, self._dst = None, {}
+        held_s = change.done.result()  # raises if the engine closed first: the receiver aborts
+        self._dirty = False
+        return held_s
+
+    def abort(self) -> None:
+        self._pending, self._dst = None, {}
+        if self._parked is not None and not self._dirty:
+            change = self._parked
+            self._let_go(None)
+            change.done.result()
+
+    # ----------------------------------------------------------------------- decode thread
+
+    def _wait_parked(self) -> int | None:
+        """Pause mode: hold the decode thread here until ``commit`` or ``abort`` lets it go."""
+        engine = self._engine
+        with engine._cond:
+            engine._cond.wait_for(lambda: self._release is not None or engine._closing)
+            release, self._release = self._release, None
+        if release is None:
+            raise EngineClosedError("engine closed during a paused weight update")
+        return release[0]
+
+    def _swap(self, version: int) -> int:
+        if version < self._engine.version:  # a submit_weights overtook this update
+            raise StaleVersionError(f"version {version} is older than loaded version {self._engine.version}")
+        self._idle = self._engine._swap_storage(self._idle)
+        return version
+
+    # -------------------------------------------------------------------- receiver thread
+
+    def _let_go(self, version: int | None) -> None:
+        with self._engine._cond:
+            self._release = (version,)
+            self._parked = None
+            self._engine._cond.notify_all()
+
+    def _wait_for_device(self) -> None:
+        for device in {t.device for t in self._idle.values() if t.device.type == "cuda"}:
+            torch.cuda.synchronize(device)

@@ -1,5 +1,9 @@
 """Builds the embedded torch bundle from a config: model, tokenizer, engines, reward, data, sync.
 
+Weight sync is param_sync's path (``engines.torch_sync``): the trainer's weights are gathered
+under its weights lock into a dual buffer and loaded into the rollout engine bucket by bucket
+(``config.param_sync``), so generation keeps running until the brief switch.
+
 Thread budgets (measured here: oversubscribing 2 cores made generation 36x slower): each
 engine runs on its own worker thread with its own ``torch.set_num_threads``, which is
 per-thread on this torch build. When generation overlaps training (k >= 1) they split the
@@ -11,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import os
 import random
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,15 +22,16 @@ from typing import Any
 import torch
 
 from engines.hf_rollout import HFRolloutEngine
-from engines.protocols import SamplingParams, SyncReport
+from engines.protocols import SamplingParams
 from engines.rl_trainer import RLTrainer
 from engines.tokenizer import load_tokenizer
+from engines.torch_sync import TorchWeightSync
 from engines.torch_train import TorchLogProbEngine, TorchTrainEngine
 from engines.verifier_reward import VerifierReward
 from pipeline.components import Components, SourcePrompt
 from pipeline.config import ConfigError, TandemConfig, TorchEnginesConfig
 
-__all__ = ["SnapshotWeightSync", "build_torch_components", "resolve_model_path", "thread_budgets"]
+__all__ = ["build_torch_components", "resolve_model_path", "thread_budgets"]
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -49,28 +53,6 @@ def thread_budgets(config: TandemConfig, cores: int | None = None) -> tuple[int,
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     share = cores if config.staleness.k == 0 else max(1, cores // 2)
     return spec.generation_threads or share, spec.train_threads or share
-
-
-class SnapshotWeightSync:
-    """In-process weight handoff: copy the trainer's weights on its thread, load them between
-    the rollout engine's decode steps. The copy is taken serialised with train steps, so an
-    optimizer step never tears it; the load is all-or-nothing, so a failure leaves the old
-    weights serving."""
-
-    def __init__(self, trainer: TorchTrainEngine, rollout: HFRolloutEngine) -> None:
-        self._trainer = trainer
-        self._rollout = rollout
-
-    async def sync(self, version: int) -> SyncReport:
-        t0 = time.perf_counter()
-        trained_version, weights = await self._trainer.snapshot_for_sync()
-        if trained_version < version:
-            raise RuntimeError(f"asked to sync version {version} but the trainer holds {trained_version}")
-        t1 = time.perf_counter()
-        await self._rollout.update_weights(weights.items(), trained_version)
-        t2 = time.perf_counter()
-        nbytes = sum(t.numel() * t.element_size() for t in weights.values())
-        return SyncReport(trained_version, {"gather_s": t1 - t0, "load_s": t2 - t1, "bytes": float(nbytes)})
 
 
 def _tokenize(tokenizer: Any, prompt: str) -> list[int]:
@@ -151,6 +133,11 @@ def build_torch_components(config: TandemConfig) -> Components:
             max_tokens_per_micro_batch=spec.max_tokens_per_micro_batch, num_threads=train_threads,
         )
     reward = VerifierReward(verify, timeout_s=config.task.reward_timeout_s)
+    ps = config.param_sync
+    weight_sync = TorchWeightSync.in_process(
+        engine, rollout, load_mode=ps.load_mode,
+        produce_bucket_mb=ps.produce_bucket_mb, consume_bucket_mb=ps.consume_bucket_mb,
+    )
 
     async def save_checkpoint(folder: Path) -> None:
         state = await asyncio.to_thread(engine.state_dict)
@@ -159,13 +146,14 @@ def build_torch_components(config: TandemConfig) -> Components:
         tokenizer.save_pretrained(folder)
         torch.save({k: v for k, v in state.items() if k != "model"}, folder / "trainer_state.pt")
 
-    closers = [rollout.close, engine.close, reward.close] + ([reference.close] if reference else [])
+    # The sync first: a sync in flight finishes against live engines before they stop.
+    closers = [weight_sync.close, rollout.close, engine.close, reward.close] + ([reference.close] if reference else [])
     return Components(
         prompts=prompts,
         rollout=rollout,
         trainer=RLTrainer(engine, config.algorithm),
         reward=reward,
-        weight_sync=SnapshotWeightSync(engine, rollout),
+        weight_sync=weight_sync,
         sampling=SamplingParams(r.max_new_tokens, r.temperature, r.top_p, r.top_k, tuple(r.stop)),
         reference=reference,
         close_callbacks=closers,

@@ -15,7 +15,10 @@ Invariants:
   by the micro-batch's share of the step's tokens or sequences, so the accumulated gradient
   equals that of the same mean over the whole step;
 - the model stays in ``eval()`` mode while training: dropout would make the recomputed
-  log-probs disagree with the ones the losses compare them to.
+  log-probs disagree with the ones the losses compare them to;
+- the weights and ``version`` change together, only under ``TorchTrainEngine``'s weights lock
+  (the optimizer step, a checkpoint restore), so a reader holding that lock
+  (``weights_for_sync``) sees one whole version and knows which.
 
 Single process only: data parallelism over several processes is not implemented yet.
 """
@@ -25,7 +28,9 @@ from __future__ import annotations
 import asyncio
 import copy
 import math
+import threading
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, Literal, Self, TypeVar
 
 import torch
@@ -186,6 +191,9 @@ class TorchTrainEngine(_TorchModelEngine):
         if max_grad_norm <= 0:
             raise ValueError(f"max_grad_norm must be > 0, got {max_grad_norm}")
         self._max_grad_norm = max_grad_norm
+        # Held while the weights change (optimizer step, restore) and by a sync reading them
+        # from another thread (``weights_for_sync``): that reader never sees a torn step.
+        self._weights_lock = threading.Lock()
         self._optimizer = torch.optim.AdamW(self._model.parameters(), lr=lr, weight_decay=weight_decay)
         self._scheduler = torch.optim.lr_scheduler.LambdaLR(
             self._optimizer, lambda step: 1.0 if warmup_steps == 0 else min(1.0, (step + 1) / warmup_steps)
@@ -211,19 +219,21 @@ class TorchTrainEngine(_TorchModelEngine):
     def named_tensors_for_sync(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, full tensor) per weight, tied storage once (``engines.torch_weights``).
 
-        These are the live tensors: read them between train steps and copy what must outlive
-        the next one (the param-sync gather does).
+        These are the live tensors, unguarded: read them between train steps, or from another
+        thread inside ``weights_for_sync``, and copy what must outlive the next step.
         """
         yield from unique_weights(self._model).items()
 
-    async def snapshot_for_sync(self) -> tuple[int, dict[str, torch.Tensor]]:
-        """(version, detached copies of ``named_tensors_for_sync``), taken on the worker thread.
+    @contextmanager
+    def weights_for_sync(self) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
+        """Hold the weights still and yield (their version, the live tensors by name).
 
-        Serialised with train steps, so the copy is never torn by an optimizer step in flight.
+        Callable from any thread: while the block runs no optimizer step or restore can change
+        the weights (the worker waits at its next one), so a reader in another thread (the
+        param-sync gather) copies one whole version. Keep the block short: training waits.
         """
-        return await self._on_worker(
-            lambda: (self._version, {name: t.detach().clone() for name, t in unique_weights(self._model).items()})
-        )
+        with self._weights_lock:
+            yield self._version, unique_weights(self._model)
 
     def state_dict(self) -> dict[str, Any]:
         """A deep copy of model, optimizer, schedule and version, taken after queued work finishes.
@@ -249,10 +259,11 @@ class TorchTrainEngine(_TorchModelEngine):
         )
 
     def _restore(self, state: dict[str, Any]) -> None:
-        self._model.load_state_dict(state["model"])
-        self._optimizer.load_state_dict(state["optimizer"])
-        self._scheduler.load_state_dict(state["scheduler"])
-        self._version = state["version"]
+        with self._weights_lock:
+            self._model.load_state_dict(state["model"])
+            self._optimizer.load_state_dict(state["optimizer"])
+            self._scheduler.load_state_dict(state["scheduler"])
+            self._version = state["version"]
 
     def _train_step(self, samples: list[Sample], loss_fn: LossFn, loss_mean_over: LossMeanOver) -> dict[str, float]:
         _check_trainable(samples)
@@ -294,10 +305,11 @@ class TorchTrainEngine(_TorchModelEngine):
             self._optimizer.zero_grad(set_to_none=True)
             raise FloatingPointError(f"non-finite gradient norm {grad_norm} at version {self._version}")
         lr = self._scheduler.get_last_lr()[0]
-        self._optimizer.step()
+        with self._weights_lock:  # the weights and their version move together
+            self._optimizer.step()
+            self._version += 1
         self._scheduler.step()
         self._optimizer.zero_grad(set_to_none=True)
-        self._version += 1
         return {
             **sums,
             "grad_norm": grad_norm,
