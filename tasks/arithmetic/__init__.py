@@ -1,0 +1,41 @@
+"""Column-scratchpad addition: a verifiable task with a long tail of response lengths.
+
+The public face of the task, so other code never hard-codes paths or formats: the problem
+generator and prompt format, the verifier (the reward), the JSONL reader/writer, and
+``MODEL_DIR``, the folder of the small model shipped for the task (load it with
+``AutoModelForCausalLM.from_pretrained(MODEL_DIR)`` and ``AutoTokenizer.from_pretrained(MODEL_DIR)``).
+
+Importing this package pulls in neither torch nor transformers, so reward worker processes
+and the config layer stay light; the tokenizer and pretraining modules import them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tasks.arithmetic.jsonl import load_jsonl, write_jsonl
+from tasks.arithmetic.problems import (
+    MAX_RESPONSE_CHARS,
+    Problem,
+    format_prompt,
+    format_response,
+    generate_problems,
+)
+from tasks.arithmetic.verifier import extract_answer, verify
+
+MODEL_DIR: Path = Path(__file__).resolve().parent / "model"
+# One token per character plus <eos>: a max_new_tokens that never truncates a correct answer.
+MAX_RESPONSE_TOKENS = MAX_RESPONSE_CHARS + 1
+
+__all__ = [
+    "MAX_RESPONSE_TOKENS",
+    "MODEL_DIR",
+    "Problem",
+    "extract_answer",
+    "format_prompt",
+    "format_response",
+    "generate_problems",
+    "load_jsonl",
+    "verify",
+    "write_jsonl",
+]
