@@ -2,9 +2,10 @@
 
 transformers 5's ``AutoTokenizer`` picks a class from the model type and lets that class
 replace the normalizer and pre-tokenizer: for any ``qwen2`` checkpoint it installs Qwen's
-byte-level regex, which silently drops characters outside Qwen's vocabulary (our shipped
-character tokenizer lost every ``"\\n"``, so prompts no longer matched training and reward
-fell to zero). A checkpoint that ships ``tokenizer.json`` is loaded from that file as is.
+byte-level regex, which silently drops characters outside Qwen's vocabulary (a qwen2-shaped
+build of our character tokenizer lost every newline, so prompts no longer matched training
+and reward fell to zero). A checkpoint that ships ``tokenizer.json`` is loaded from that file
+as is, whatever its model type.
 """
 
 from __future__ import annotations

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import pytest
-from transformers import AutoTokenizer
-
 from engines.tokenizer import load_tokenizer
 from tasks.arithmetic import MODEL_DIR, format_prompt
 from tasks.arithmetic.tokenizer import build_tokenizer
@@ -16,9 +14,3 @@ def test_loaded_tokenizer_encodes_like_the_one_the_model_was_trained_with() -> N
     text = format_prompt(4589, 123) + "9+3+0=12\n=4712"
     assert load_tokenizer(MODEL_DIR)(text)["input_ids"] == build_tokenizer()(text)["input_ids"]
 
-
-def test_auto_tokenizer_would_drop_newlines_which_is_why_we_do_not_use_it() -> None:
-    # If transformers stops overriding tokenizer.json by model type, this starts failing and
-    # load_tokenizer can go back to AutoTokenizer.
-    newline = build_tokenizer().convert_tokens_to_ids("\n")
-    assert newline not in AutoTokenizer.from_pretrained(MODEL_DIR)("12+3=\n")["input_ids"]
