@@ -107,6 +107,9 @@ def file_prompts(path: Path, tokenizer: Any) -> Any:
 
 def build_torch_components(config: TandemConfig) -> Components:
     """The embedded bundle for a config whose ``engines.type`` is ``torch``."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # per-load bars would interleave with the run's own display
     from tasks.arithmetic import verify
 
     spec = config.engines

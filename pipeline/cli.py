@@ -106,9 +106,18 @@ def _progress_bar(config: TandemConfig) -> Iterator[Progress]:
 
 
 def summary_line(result: FlowResult) -> str:
-    """steps, wall time, samples/s, reward first -> last step, staleness counts, ledger, run folder."""
+    """steps, wall time, samples/s, reward at start -> end, staleness counts, ledger, run folder.
+
+    Start and end are the mean reward of the first and last tenth of the steps: one step's
+    batch is too small (its prompts' difficulty varies) to say whether the policy improved.
+    """
     rewards = [s.reward_mean for s in result.steps]
-    reward = f"{rewards[0]:.3f} -> {rewards[-1]:.3f}" if rewards else "n/a"
+    tenth = max(1, len(rewards) // 10)
+    reward = (
+        f"{sum(rewards[:tenth]) / tenth:.3f} -> {sum(rewards[-tenth:]) / tenth:.3f} (mean of first/last {tenth} steps)"
+        if rewards
+        else "n/a"
+    )
     staleness = ", ".join(f"{k}: {n}" for k, n in result.staleness_counts.items()) or "none"
     return (
         f"done: {len(result.steps)} steps in {result.wall_s:.2f}s, {result.samples_per_s:.1f} samples/s, "
