@@ -16,6 +16,7 @@ of the measured phases would give over running them back to back. Prints a table
 
 from __future__ import annotations
 
+import _bootstrap  # noqa: F401  (first: imports resolve to the project)
 import argparse
 import asyncio
 import json

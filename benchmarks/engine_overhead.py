@@ -10,6 +10,7 @@ machines, admission, accounting. Prints a table and writes
 
 from __future__ import annotations
 
+import _bootstrap  # noqa: F401  (first: imports resolve to the project)
 import argparse
 import asyncio
 import json

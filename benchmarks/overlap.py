@@ -17,6 +17,7 @@ Writes ``benchmarks/results/overlap.json``.
 
 from __future__ import annotations
 
+import _bootstrap  # noqa: F401  (first: imports resolve to the project)
 import argparse
 import json
 import logging

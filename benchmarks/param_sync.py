@@ -24,16 +24,10 @@ Writes ``benchmarks/results/param_sync.json``.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-HERE = Path(__file__).resolve().parent
-# This script shares its name with the package it measures: its own folder, first on sys.path
-# when run as a script, would shadow the package.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
-sys.path.insert(0, str(HERE.parent))
+import _bootstrap  # noqa: F401  (first: the package, not this same-named script)
 
 import argparse
+from pathlib import Path
 import asyncio
 import json
 import multiprocessing as mp
@@ -67,7 +61,7 @@ from param_sync import (
 )
 from param_sync.bucket import MiB
 
-RESULTS = HERE / "results" / "param_sync.json"
+RESULTS = Path(__file__).resolve().parent / "results" / "param_sync.json"
 CTX = mp.get_context("spawn")
 WIDTH = 4096
 ROWS = 1024  # one bf16 matrix: 8 MiB
