@@ -268,8 +268,6 @@ class TorchEnginesConfig(_Model):
 
 EnginesConfig = Annotated[FakeEnginesConfig | TorchEnginesConfig, Field(discriminator="type")]
 
-POLICY_LOSS_NAMES = ("ppo", "vanilla", "tis", "topr", "cispo", "kimi15")
-
 
 class AlgorithmConfig(_Model):
     """Advantages and the policy loss (see ``algorithms/`` for the formulas and sources)."""
