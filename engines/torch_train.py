@@ -20,7 +20,12 @@ Invariants:
   (the optimizer step, a checkpoint restore), so a reader holding that lock
   (``weights_for_sync``) sees one whole version and knows which.
 
-Single process only: data parallelism over several processes is not implemented yet.
+Data parallelism (``world_size > 1``, CPU only): this engine's worker thread is rank 0 and
+``engines.torch_ddp`` runs ranks 1..N-1 in processes it owns; each rank's micro-batch losses
+are weighted by their share of the whole step's (all ranks') tokens or sequences, so the
+summed gradient is the single-process one, and every rank takes the same optimizer step.
+With ``world_size == 1`` (the default) no process starts and ``engines.torch_ddp`` is never
+imported.
 """
 
 from __future__ import annotations
@@ -31,7 +36,8 @@ import math
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, Literal, Self, TypeVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal, Self, TypeVar
 
 import torch
 from transformers import AutoModelForCausalLM
@@ -42,13 +48,31 @@ from engines.torch_microbatch import MicroBatch, collate, plan_micro_batches, re
 from engines.torch_weights import unique_weights
 from pipeline.records import RolloutGroup, Sample
 
-__all__ = ["LossFn", "LossMeanOver", "TorchLogProbEngine", "TorchTrainEngine"]
+if TYPE_CHECKING:
+    from engines.torch_ddp import DataParallelRanks
+
+__all__ = ["LossFn", "LossMeanOver", "StepTotals", "TorchLogProbEngine", "TorchTrainEngine"]
 
 LossFn = Callable[[LossInputs], tuple[torch.Tensor, dict[str, float]]]
 # What a loss averages over inside a micro-batch: "tokens" for a token mean, "sequences" for
 # a mean over sequences (of per-sequence token means or sums).
 LossMeanOver = Literal["tokens", "sequences"]
 _T = TypeVar("_T")
+
+
+@dataclass(frozen=True, slots=True)
+class StepTotals:
+    """The whole step's trained tokens and sequences (over every rank): the denominators of the
+    micro-batch loss weights, so the weighted sum of micro-batch losses is the step's mean."""
+
+    mean_over: LossMeanOver
+    tokens: int
+    sequences: int
+
+    def weight(self, batch: MicroBatch) -> float:
+        if self.mean_over == "tokens":
+            return batch.num_tokens / self.tokens
+        return len(batch.indices) / self.sequences
 
 
 class _TorchModelEngine:
@@ -159,7 +183,14 @@ class TorchLogProbEngine(_TorchModelEngine):
 
 
 class TorchTrainEngine(_TorchModelEngine):
-    """The trained policy: AdamW with linear warmup to a constant LR; implements ``TrainEngine``."""
+    """The trained policy: AdamW with linear warmup to a constant LR; implements ``TrainEngine``.
+
+    ``world_size > 1`` trains data-parallel over that many ranks on CPU (gloo): this object is
+    rank 0 and owns the other ranks' processes (``engines.torch_ddp``), started here and ended
+    by ``close()``. Only ``train_step`` and ``load_state_dict`` involve them; scoring
+    (``logprobs``), weight sync and ``state_dict`` use rank 0 alone, whose weights equal every
+    rank's. Each rank uses ``num_threads`` threads: budget ``world_size * num_threads`` cores.
+    """
 
     def __init__(
         self,
@@ -175,7 +206,15 @@ class TorchTrainEngine(_TorchModelEngine):
         max_tokens_per_micro_batch: int = 4096,
         num_threads: int = 1,
         start_version: int = 0,
+        world_size: int = 1,
     ) -> None:
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        if world_size > 1 and torch.device(device).type != "cpu":
+            # NCCL ranks need a device each and a multi-GPU machine to be tested on: not done yet.
+            raise NotImplementedError(
+                f"data-parallel training (world_size={world_size}) runs on CPU only, not on {device}"
+            )
         super().__init__(
             model_path,
             device=device,
@@ -198,6 +237,20 @@ class TorchTrainEngine(_TorchModelEngine):
         self._scheduler = torch.optim.lr_scheduler.LambdaLR(
             self._optimizer, lambda step: 1.0 if warmup_steps == 0 else min(1.0, (step + 1) / warmup_steps)
         )
+        self._ranks: DataParallelRanks | None = None
+        if world_size > 1:
+            from engines.torch_ddp import DataParallelRanks  # only data-parallel runs pay for it
+
+            replica = {
+                "lr": lr, "dtype": dtype, "temperature": temperature, "weight_decay": weight_decay,
+                "warmup_steps": warmup_steps, "max_grad_norm": max_grad_norm,
+                "max_tokens_per_micro_batch": max_tokens_per_micro_batch, "num_threads": num_threads,
+            }  # fmt: skip
+            try:
+                self._ranks = DataParallelRanks(self, model_path, replica, world_size)
+            except BaseException:
+                self._executor.shutdown(wait=False)
+                raise
 
     async def train_step(
         self, groups: Sequence[RolloutGroup], loss_fn: LossFn, *, loss_mean_over: LossMeanOver = "tokens"
@@ -210,6 +263,11 @@ class TorchTrainEngine(_TorchModelEngine):
         Samples without response tokens are left out. Every sample must carry its
         ``advantage``; ``prox_logprobs`` and ``ref_logprobs`` are passed when every sample
         has them, and refused when only some do.
+
+        With ``world_size > 1`` the samples are split across the ranks balanced by tokens and
+        ``loss_fn`` is pickled to them with each step (a module-level function or a
+        ``functools.partial`` of one); a rank that fails or dies raises
+        ``engines.torch_ddp.TrainRankError`` naming it.
         """
         if loss_mean_over not in ("tokens", "sequences"):
             raise ValueError(f"loss_mean_over must be 'tokens' or 'sequences', got {loss_mean_over!r}")
@@ -239,12 +297,22 @@ class TorchTrainEngine(_TorchModelEngine):
         """A deep copy of model, optimizer, schedule and version, taken after queued work finishes.
 
         Blocks the caller until then; from an event loop, call it through ``asyncio.to_thread``.
+        Data-parallel: rank 0's, which every rank equals; the same format as one process's.
         """
         return self._executor.submit(self._snapshot).result()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what ``state_dict`` returned (after queued work finishes; blocks like it)."""
-        self._executor.submit(self._restore, state).result()
+        """Restore what ``state_dict`` returned (after queued work finishes; blocks like it).
+
+        Data-parallel: every rank is restored before this returns.
+        """
+        self._executor.submit(self._restore_all, state).result()
+
+    def close(self) -> None:
+        """Finish queued work, stop the worker thread, then stop the other ranks' processes."""
+        super().close()
+        if self._ranks is not None:
+            self._ranks.close()
 
     # ------------------------------------------------------------------ worker thread only
 
@@ -261,25 +329,53 @@ class TorchTrainEngine(_TorchModelEngine):
     def _restore(self, state: dict[str, Any]) -> None:
         with self._weights_lock:
             self._model.load_state_dict(state["model"])
-            self._optimizer.load_state_dict(state["optimizer"])
+            # The optimizer keeps the tensors it is given: a copy keeps our steps out of the
+            # caller's dict (which may be loaded into another engine too).
+            self._optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))
             self._scheduler.load_state_dict(state["scheduler"])
             self._version = state["version"]
 
+    def _restore_all(self, state: dict[str, Any]) -> None:
+        self._restore(state)
+        if self._ranks is not None:
+            self._ranks.restore(state)
+
     def _train_step(self, samples: list[Sample], loss_fn: LossFn, loss_mean_over: LossMeanOver) -> dict[str, float]:
         _check_trainable(samples)
-        has_prox = samples[0].prox_logprobs is not None
-        has_ref = samples[0].ref_logprobs is not None
         trained = [i for i, s in enumerate(samples) if s.num_tokens > 0]
-        total_tokens = sum(samples[i].num_tokens for i in trained)
-        if total_tokens == 0:
+        totals = StepTotals(loss_mean_over, sum(samples[i].num_tokens for i in trained), len(trained))
+        if totals.tokens == 0:
             raise ValueError("train_step on samples without response tokens")
 
-        self._optimizer.zero_grad(set_to_none=True)
+        lr = self._scheduler.get_last_lr()[0]  # the step's own: the scheduler moves on after it
+        if self._ranks is None:
+            self._optimizer.zero_grad(set_to_none=True)
+            sums, num_micro_batches = self._accumulate(samples, trained, loss_fn, totals)
+            grad_norm = self._clip_and_step()
+        else:
+            sums, num_micro_batches, grad_norm = self._ranks.train_step(samples, trained, loss_fn, totals)
+        return {
+            **sums,
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "tokens": float(totals.tokens),
+            "samples": float(len(samples)),
+            "micro_batches": float(num_micro_batches),
+        }
+
+    def _accumulate(
+        self, samples: Sequence[Sample], indices: list[int], loss_fn: LossFn, totals: StepTotals
+    ) -> tuple[dict[str, float], int]:
+        """Add the gradients of ``samples[indices]``' weighted micro-batch losses (grads not zeroed
+        here); returns the weighted metric sums and the number of micro-batches."""
         sums: dict[str, float] = {}
         num_micro_batches = 0
-        for batch in self._micro_batches(samples, trained):
+        for batch in self._micro_batches(samples, indices):
             token_logp, entropy = response_logprobs(self._model, batch, self._temperature)
             rows = [samples[i] for i in batch.indices]
+            # Uniform over the step (``_check_trainable``), so any row tells.
+            has_prox = rows[0].prox_logprobs is not None
+            has_ref = rows[0].ref_logprobs is not None
             inputs = LossInputs(
                 logprobs=token_logp,
                 behaviour_logprobs=_padded([s.behaviour_logprobs for s in rows], batch.mask),
@@ -290,34 +386,27 @@ class TorchTrainEngine(_TorchModelEngine):
                 entropy=entropy,
             )
             loss, metrics = loss_fn(inputs)
-            if loss_mean_over == "tokens":
-                weight = batch.num_tokens / total_tokens
-            else:
-                weight = len(batch.indices) / len(trained)
+            weight = totals.weight(batch)
             (loss * weight).backward()
             num_micro_batches += 1
             mean_entropy = float(entropy.sum() / batch.mask.sum())
             for key, value in {**metrics, "loss": float(loss.detach()), "entropy": mean_entropy}.items():
                 sums[key] = sums.get(key, 0.0) + weight * value
+        return sums, num_micro_batches
 
+    def _clip_and_step(self) -> float:
+        """Clip the accumulated gradient, take the optimizer step, zero the gradient; returns the
+        pre-clip norm. A non-finite norm drops the gradient and raises, stepping nothing."""
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self._model.parameters(), self._max_grad_norm))
         if not math.isfinite(grad_norm):
             self._optimizer.zero_grad(set_to_none=True)
             raise FloatingPointError(f"non-finite gradient norm {grad_norm} at version {self._version}")
-        lr = self._scheduler.get_last_lr()[0]
         with self._weights_lock:  # the weights and their version move together
             self._optimizer.step()
             self._version += 1
         self._scheduler.step()
         self._optimizer.zero_grad(set_to_none=True)
-        return {
-            **sums,
-            "grad_norm": grad_norm,
-            "lr": lr,
-            "tokens": float(total_tokens),
-            "samples": float(len(samples)),
-            "micro_batches": float(num_micro_batches),
-        }
+        return grad_norm
 
 
 def _check_trainable(samples: list[Sample]) -> None:
