@@ -46,13 +46,15 @@ def resolve_model_path(path: Path) -> Path:
 
 
 def thread_budgets(config: TandemConfig, cores: int | None = None) -> tuple[int, int]:
-    """(generation threads, training threads) for this config on this machine."""
+    """(generation threads, training threads per trainer rank) for this config on this machine."""
     spec = config.engines
     assert isinstance(spec, TorchEnginesConfig)
     if cores is None:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     share = cores if config.staleness.k == 0 else max(1, cores // 2)
-    return spec.generation_threads or share, spec.train_threads or share
+    # Data-parallel ranks run at once: they split the trainer's share between them.
+    per_rank = max(1, share // spec.train_world_size)
+    return spec.generation_threads or share, spec.train_threads or per_rank
 
 
 def _tokenize(tokenizer: Any, prompt: str) -> list[int]:
@@ -128,6 +130,7 @@ def build_torch_components(config: TandemConfig) -> Components:
         model_path, lr=spec.lr, device=spec.device, dtype=dtype, temperature=r.temperature,
         weight_decay=spec.weight_decay, warmup_steps=spec.warmup_steps, max_grad_norm=spec.max_grad_norm,
         max_tokens_per_micro_batch=spec.max_tokens_per_micro_batch, num_threads=train_threads,
+        world_size=spec.train_world_size,
     )
     reference = None
     if "ref_logp" in config.flow.stages:

@@ -254,6 +254,9 @@ class TorchEnginesConfig(_Model):
     training (k >= 1), all of them when it runs alone (k = 0)."""
     train_threads: int | None = Field(None, ge=1)
     """CPU threads of the trainer (and the logp role, which shares it); default as above."""
+    train_world_size: int = Field(1, ge=1)
+    """Data-parallel trainer ranks (torch.distributed over gloo, CPU): rank 0 in this process,
+    the others in spawned processes; each rank uses ``train_threads`` threads."""
     lr: float = Field(1e-4, gt=0)
     """AdamW learning rate."""
     weight_decay: float = Field(0.0, ge=0)

@@ -54,8 +54,13 @@ def test_a_missing_data_file_is_named(tmp_path: Path) -> None:
         file_prompts(tmp_path / "nope.jsonl", CharTokenizer())
 
 
-@pytest.mark.parametrize(("k", "cores", "expected"), [(0, 2, (2, 2)), (1, 2, (1, 1)), (2, 8, (4, 4)), (1, 1, (1, 1))])
-def test_thread_budgets_split_the_cores_only_when_phases_overlap(k: int, cores: int, expected: tuple[int, int]) -> None:
-    cfg = validate_config({"engines": {"type": "torch"}, "staleness": {"max_staleness": k},
+@pytest.mark.parametrize(
+    ("k", "cores", "ranks", "expected"),
+    [(0, 2, 1, (2, 2)), (1, 2, 1, (1, 1)), (2, 8, 1, (4, 4)), (1, 1, 1, (1, 1)), (1, 8, 2, (4, 2)), (0, 2, 2, (2, 1))],
+)
+def test_thread_budgets_split_the_cores_only_when_phases_overlap(
+    k: int, cores: int, ranks: int, expected: tuple[int, int]
+) -> None:
+    cfg = validate_config({"engines": {"type": "torch", "train_world_size": ranks}, "staleness": {"max_staleness": k},
                            "flow": {"stages": ["dataloader", "generate", "rollout", "logp", "reward", "train"]}})
     assert thread_budgets(cfg, cores=cores) == expected
