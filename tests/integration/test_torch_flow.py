@@ -88,8 +88,15 @@ def test_k0_flow_reproduces_the_synchronous_loop() -> None:
             assert {v for s in fg.samples for v in s.token_versions} == {fg.step}
     rewards = [s.reward for batch in baseline for g in batch for s in g.samples]
     assert 0 < sum(rewards) < len(rewards), "a batch with mixed rewards is needed for the weights to move"
-    assert max((flow_weights[k] - initial[k]).abs().max().item() for k in initial) > 1e-4  # it trained
-    assert max((flow_weights[k] - base_weights[k]).abs().max().item() for k in flow_weights) < 1e-5
+    update = max((flow_weights[k] - initial[k]).abs().max().item() for k in initial)
+    assert update > 1e-4  # it trained
+    # Tokens and rewards above are identical; the weights differ only by float rounding, since the
+    # flow scores log-probs in micro-batches as groups finish and the loop scores each step at
+    # once (other padding, other summation order), which Adam amplifies where gradients are
+    # near zero. A schedule error (other samples, other versions) would move them by about the
+    # update itself; rounding stays two orders of magnitude below it.
+    difference = max((flow_weights[k] - base_weights[k]).abs().max().item() for k in flow_weights)
+    assert difference < 1e-2 * update, (difference, update)
 
 
 def greedy_accuracy(model_path: Any, problems: list) -> float:
