@@ -101,6 +101,14 @@ class _State(Generic[T]):
                 if not fut.done():
                     fut.set_result(None)
 
+    def append(self, item: T) -> None:
+        """Buffer one item (the caller checked there is room) and wake one receiver."""
+        self.buffer.append(item)
+        self.items_sent += 1
+        if len(self.buffer) > self.max_depth:
+            self.max_depth = len(self.buffer)
+        self.wake_one(self.receivers)
+
     def check_not_broken(self) -> None:
         if self.broken is not None:
             raise BrokenChannel(f"channel {self.name!r} is broken: {self.broken!r}") from self.broken
@@ -155,23 +163,14 @@ class SendChannel(Generic[T]):
             if len(s.buffer) < s.capacity:
                 break
             await s.wait(s.senders)
-        s.buffer.append(item)
-        s.items_sent += 1
-        if len(s.buffer) > s.max_depth:
-            s.max_depth = len(s.buffer)
-        s.wake_one(s.receivers)
+        s.append(item)
 
     async def send_many(self, items: Iterable[T]) -> None:
         """Put items in order; each waits for room as ``send`` does, so capacity still holds."""
         s = self._s
         for item in items:
             if len(s.buffer) < s.capacity and not s.closed and s.broken is None:
-                # Fast path: room now, no suspension needed.
-                s.buffer.append(item)
-                s.items_sent += 1
-                if len(s.buffer) > s.max_depth:
-                    s.max_depth = len(s.buffer)
-                s.wake_one(s.receivers)
+                s.append(item)  # fast path: room now, no suspension needed
             else:
                 await self.send(item)
 

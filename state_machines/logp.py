@@ -8,10 +8,11 @@ trainer's weights), so a score never straddles an optimizer step.
 
 from __future__ import annotations
 
-from pipeline.records import RolloutGroup
+from engines.protocols import LogProbEngine
+from pipeline.records import RolloutGroup, Sample
 from state_machines.base import Stage
 
-__all__ = ["LogPStateMachine"]
+__all__ = ["LogPStateMachine", "score"]
 
 
 class LogPStateMachine(Stage[RolloutGroup, RolloutGroup]):
@@ -19,16 +20,22 @@ class LogPStateMachine(Stage[RolloutGroup, RolloutGroup]):
 
     async def process(self, items: list[RolloutGroup]) -> list[RolloutGroup]:
         engine = self.services.components.trainer
-        samples = [s for g in items for s in g.samples]
         version = engine.version
-        logprobs = await engine.logprobs(samples)
-        for sample, lp in zip(samples, logprobs, strict=True):
-            if len(lp) != sample.num_tokens:
-                raise ValueError(
-                    f"prompt {sample.prompt_id} sample {sample.index}: {len(lp)} log-probs for "
-                    f"{sample.num_tokens} tokens"
-                )
+        for sample, lp in await score(engine, items, "log-probs"):
             sample.prox_logprobs = lp
             sample.prox_version = version
         self.version = version
         return items
+
+
+async def score(engine: LogProbEngine, items: list[RolloutGroup], what: str) -> list[tuple[Sample, list[float]]]:
+    """Each sample of ``items`` with its per-token log-probs under ``engine``, one per token
+    (an engine returning any other count is an error naming the sample)."""
+    samples = [s for g in items for s in g.samples]
+    scored = list(zip(samples, await engine.logprobs(samples), strict=True))
+    for sample, lp in scored:
+        if len(lp) != sample.num_tokens:
+            raise ValueError(
+                f"prompt {sample.prompt_id} sample {sample.index}: {len(lp)} {what} for {sample.num_tokens} tokens"
+            )
+    return scored

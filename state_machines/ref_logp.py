@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pipeline.records import RolloutGroup
 from state_machines.base import Stage
+from state_machines.logp import score
 
 __all__ = ["RefLogPStateMachine"]
 
@@ -15,13 +16,6 @@ class RefLogPStateMachine(Stage[RolloutGroup, RolloutGroup]):
         engine = self.services.components.reference
         if engine is None:
             raise RuntimeError("the ref_logp stage runs but the components have no reference engine")
-        samples = [s for g in items for s in g.samples]
-        logprobs = await engine.logprobs(samples)
-        for sample, lp in zip(samples, logprobs, strict=True):
-            if len(lp) != sample.num_tokens:
-                raise ValueError(
-                    f"prompt {sample.prompt_id} sample {sample.index}: {len(lp)} reference log-probs "
-                    f"for {sample.num_tokens} tokens"
-                )
+        for sample, lp in await score(engine, items, "reference log-probs"):
             sample.ref_logprobs = lp
         return items
