@@ -29,7 +29,9 @@ import torch
 from param_sync.errors import LayoutError
 
 __all__ = [
+    "FUSE_NBYTES",
     "MiB",
+    "U64",
     "BucketHeader",
     "Manifest",
     "TensorMeta",
@@ -45,7 +47,12 @@ MiB = 1 << 20
 # Aligning each tensor keeps typed views of the stream legal (a receiver may hand whole tensors
 # to an engine as their dtype) and memcpy on cache-line boundaries.
 ALIGN = 64
-_U64 = 1 << 64
+U64 = 1 << 64  # checksums are modulo this
+# Both sides copy and checksum in chunks of at most this size, so each chunk is checksummed
+# while it is still in the core's cache (1 MiB of L2 per core here) rather than read back
+# from memory. Measured on 2 cores, 1 GiB: 256 KiB chunks lose to per-call overhead, a 16 MiB
+# piece spills to memory (the receiver's load took 0.13 s instead of 0.08 s).
+FUSE_NBYTES = 1 * MiB
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -72,12 +79,16 @@ def checksum(data: np.ndarray) -> int:
     would cost more than the copies it guards; this sum runs at about 30 GB/s. It catches
     truncated, torn, stale and bit-flipped buckets (any change to one word changes the sum);
     it does not catch two words swapped inside a bucket, which no transport here can produce.
+
+    It is additive: cut ``data`` into parts, each but the last a whole number of words, and the
+    sum of the parts' checksums modulo 2**64 is the checksum of ``data``. So a bucket can be
+    checksummed chunk by chunk, each chunk right after it is copied.
     """
     whole = data.size - data.size % 8
     total = int(data[:whole].view(np.uint64).sum(dtype=np.uint64))
     if whole < data.size:
         total += int.from_bytes(data[whole:].tobytes(), "little")
-    return total % _U64
+    return total % U64
 
 
 @dataclass(slots=True, frozen=True)

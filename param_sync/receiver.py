@@ -11,8 +11,9 @@ Invariants:
   the transfer is ignored and the whole update is aborted;
 - ``pause`` targets see ``begin_update`` only once every bucket has been verified, so the
   copies that run while generation is paused come from bytes already known good and cannot
-  leave a half-loaded model; ``swap`` targets load each verified bucket into their idle set
-  while generating, and commit only a complete transfer;
+  leave a half-loaded model; ``swap`` targets load each bucket into their idle set while
+  generating, a cache-sized chunk at a time right after checksumming it, and commit only a
+  complete transfer whose every bucket checked out;
 - the receiver never raises into the transport: every failure becomes a report with
   ``ok=False``, and the target keeps serving its previous version.
 """
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from param_sync.bucket import MiB, BucketHeader, Manifest, checksum
+from param_sync.bucket import FUSE_NBYTES, MiB, U64, BucketHeader, Manifest, checksum
 from param_sync.errors import StaleVersionError, TransferError
 from param_sync.protocols import SyncTarget
 
@@ -45,7 +46,9 @@ class LoadReport:
 
 
 class Receiver:
-    """Checks and applies transfers to one :class:`SyncTarget`, in ``consume_bucket_mb`` pieces."""
+    """Checks and applies transfers to one :class:`SyncTarget`, in ``consume_bucket_mb`` pieces
+    (in ``swap`` mode pieces of at most :data:`~param_sync.bucket.FUSE_NBYTES`, each loaded while
+    the checksum has just brought it into cache)."""
 
     def __init__(self, target: SyncTarget, *, consume_bucket_mb: float = 64.0, engine: str = "rollout") -> None:
         if consume_bucket_mb <= 0:
@@ -127,14 +130,41 @@ class Receiver:
         start, stop = manifest.bucket_range(header.seq)
         if (header.offset, header.offset + header.nbytes) != (start, stop):
             raise TransferError(f"bucket {header.seq} covers [{header.offset}, +{header.nbytes}), expected [{start}, {stop})")
-        t0 = time.perf_counter()
-        ok = checksum(stream[start:stop]) == header.checksum
-        self._verify_s += time.perf_counter() - t0
-        if not ok:
+        if self.target.load_mode == "swap":
+            value = self._verify_and_load(start, stop)
+        else:
+            t0 = time.perf_counter()
+            value = checksum(stream[start:stop])
+            self._verify_s += time.perf_counter() - t0
+        if value != header.checksum:
             raise TransferError(f"bucket {header.seq} of version {header.version} is corrupt (checksum mismatch)")
         self._next_seq += 1
-        if self.target.load_mode == "swap":
-            self._load(start, stop)
+
+    def _verify_and_load(self, start: int, stop: int) -> int:
+        """Checksum bucket ``[start, stop)`` chunk by chunk, loading each chunk into the idle set
+        right after it is summed, while it is still in cache; returns the bucket's checksum.
+
+        Swap mode only: the idle set may hold bytes of a bucket that turns out corrupt, as
+        nothing serves from it before a commit, and a commit needs every bucket verified.
+        """
+        assert self._manifest is not None and self._stream is not None
+        manifest, stream = self._manifest, self._stream
+        step = min(self._piece_nbytes, FUSE_NBYTES)
+
+        def word(at: int) -> int:
+            """Parts of a checksum must be whole 64-bit words from the bucket's start."""
+            return stop if at == stop else start + (at - start) // 8 * 8
+
+        total = 0
+        for lo in range(start, stop, step):
+            hi = min(lo + step, stop)
+            t0 = time.perf_counter()
+            total += checksum(stream[word(lo) : word(hi)])
+            t1 = time.perf_counter()
+            self.target.load_bucket(manifest.slices(stream, lo, hi))
+            self._verify_s += t1 - t0
+            self._load_s += time.perf_counter() - t1
+        return total % U64
 
     def _load(self, start: int, stop: int) -> None:
         assert self._manifest is not None and self._stream is not None

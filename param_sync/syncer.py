@@ -32,9 +32,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TypeVar
 
+import numpy as np
 import torch
 
-from param_sync.bucket import MiB, BucketHeader, Manifest, checksum, plan_manifest, tensor_bytes
+from param_sync.bucket import FUSE_NBYTES, MiB, U64, BucketHeader, Manifest, checksum, plan_manifest, tensor_bytes
 from param_sync.buffer import BufferHalf, DualBuffer
 from param_sync.errors import GatherError, LayoutError, SyncError, TransferError
 from param_sync.feed import BucketFeed
@@ -56,6 +57,43 @@ class _Gathered:
 class _Sent:
     reports: list[LoadReport]
     send_s: float  # wall time of the transfer, overlapping the gather and the loads
+
+
+class _BucketSums:
+    """Checksums the buckets of a stream as it is written front to back, and hands each on
+    (header and checksum) as soon as its last byte is written.
+
+    ``advance(written)`` sums the bytes written since the last call, so a caller that calls it
+    after every cache-sized copy reads each byte back from cache rather than from memory. Parts
+    are cut at whole 64-bit words from the bucket's start, which makes their sums add up to the
+    bucket's :func:`checksum`.
+    """
+
+    def __init__(self, manifest: Manifest, stream: np.ndarray, feed: BucketFeed) -> None:
+        self._manifest = manifest
+        self._stream = stream
+        self._feed = feed
+        self._seq = 0
+        self._summed = 0  # bytes of the stream already in a sum
+        self._sum = 0  # of the current bucket's bytes in [its start, _summed)
+        self.spent_s = 0.0
+
+    def advance(self, written: int) -> None:
+        """Every byte of the stream before ``written`` is final."""
+        manifest = self._manifest
+        while self._seq < manifest.bucket_count:
+            start, stop = manifest.bucket_range(self._seq)
+            upto = stop if written >= stop else start + (written - start) // 8 * 8
+            if upto > self._summed:
+                t0 = time.perf_counter()
+                self._sum += checksum(self._stream[self._summed : upto])
+                self.spent_s += time.perf_counter() - t0
+                self._summed = upto
+            if upto < stop:
+                return
+            header = BucketHeader(manifest.version, self._seq, manifest.bucket_count, start, stop - start, self._sum % U64)
+            self._feed.put(header)
+            self._seq, self._sum = self._seq + 1, 0
 
 
 class ParamSyncer:
@@ -195,10 +233,11 @@ class ParamSyncer:
     def _gather(self, manifest: Manifest, half: BufferHalf, feed: BucketFeed) -> _Gathered:
         """Copy each tensor into ``half`` at its offset; hand on each bucket once it is full."""
         t0 = time.perf_counter()
-        checksum_s = 0.0
-        out = torch.from_numpy(half.array)
+        stream = half.array
+        out = torch.from_numpy(stream)
+        sums = _BucketSums(manifest, stream, feed)
         metas = manifest.tensors
-        seq = count = 0
+        count = 0
         try:
             for count, (name, tensor) in enumerate(self.source.named_tensors_for_sync(), 1):
                 name = self._name_map.get(name, name)
@@ -206,39 +245,33 @@ class ParamSyncer:
                     raise LayoutError(f"the trainer's weights changed layout at {name!r} (tensor {count})")
                 meta = metas[count - 1]
                 data = tensor_bytes(tensor)
-                # Copy up to each bucket boundary, then checksum the bucket while it is still in
-                # cache: a second pass over memory would cost as much as the copy.
+                # A host tensor is copied a cache-sized chunk at a time and each chunk checksummed
+                # while it is still in cache; a device tensor in whole buckets, as each copy from
+                # the device has a fixed cost of its own.
+                host = data.numpy() if data.device.type == "cpu" else None
+                step = manifest.bucket_nbytes if host is None else FUSE_NBYTES
                 pos, end = meta.offset, meta.offset + meta.nbytes
                 while pos < end:
-                    stop = min(end, (pos // manifest.bucket_nbytes + 1) * manifest.bucket_nbytes)
-                    out[pos:stop].copy_(data[pos - meta.offset : stop - meta.offset])
-                    seq, spent = self._emit(manifest, half, feed, seq, stop)
-                    checksum_s += spent
+                    stop = min(end, pos + step, (pos // manifest.bucket_nbytes + 1) * manifest.bucket_nbytes)
+                    if host is None:
+                        out[pos:stop].copy_(data[pos - meta.offset : stop - meta.offset])
+                    else:  # numpy: less overhead per call than torch, which counts at this size
+                        np.copyto(stream[pos:stop], host[pos - meta.offset : stop - meta.offset])
+                    sums.advance(stop)
                     pos = stop
             if count != len(metas):
                 raise LayoutError(f"the trainer now has {count} weights, the layout {len(metas)}")
+            # Buckets that end in the alignment padding before a trailing empty tensor.
+            sums.advance(manifest.total_nbytes)
         except BaseException as exc:
             feed.fail(exc)
             raise
         finally:
-            del out  # no view of the buffer may outlive the gather (shared memory must unmap)
+            checksum_s = sums.spent_s
+            # No view of the buffer may outlive the gather (shared memory must unmap).
+            del stream, out, sums
         feed.close()
         return _Gathered(time.perf_counter() - t0 - checksum_s, checksum_s)
-
-    @staticmethod
-    def _emit(manifest: Manifest, half: BufferHalf, feed: BucketFeed, seq: int, written: int) -> tuple[int, float]:
-        """Hand on every bucket that lies wholly in ``[0, written)``; returns the next seq."""
-        spent = 0.0
-        while seq < manifest.bucket_count:
-            start, stop = manifest.bucket_range(seq)
-            if stop > written:
-                break
-            t0 = time.perf_counter()
-            value = checksum(half.array[start:stop])
-            spent += time.perf_counter() - t0
-            feed.put(BucketHeader(manifest.version, seq, manifest.bucket_count, start, stop - start, value))
-            seq += 1
-        return seq, spent
 
     def _send(self, manifest: Manifest, half: BufferHalf, feed: BucketFeed) -> _Sent:
         t0 = time.perf_counter()
