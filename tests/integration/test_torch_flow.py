@@ -93,10 +93,12 @@ def test_k0_flow_reproduces_the_synchronous_loop() -> None:
     # Tokens and rewards above are identical; the weights differ only by float rounding, since the
     # flow scores log-probs in micro-batches as groups finish and the loop scores each step at
     # once (other padding, other summation order), which Adam amplifies where gradients are
-    # near zero. A schedule error (other samples, other versions) would move them by about the
-    # update itself; rounding stays two orders of magnitude below it.
+    # near zero. Which groups finish first decides the micro-batches, so the rounding takes one
+    # of a few fixed values: measured 0 or 1.4e-5 against an update of 1.3e-3 (about 1 %).
+    # A schedule error (other samples, other versions) would move the weights by about the
+    # update itself.
     difference = max((flow_weights[k] - base_weights[k]).abs().max().item() for k in flow_weights)
-    assert difference < 1e-2 * update, (difference, update)
+    assert difference < 0.1 * update, (difference, update)
 
 
 def greedy_accuracy(model_path: Any, problems: list) -> float:
