@@ -30,8 +30,15 @@ def plot_run(steps: Sequence[StepRecord], path: Path) -> bool:
         return False
     x = [s.step + 1 for s in steps]
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
-    top.plot(x, [s.reward_mean for s in steps], marker=".", color="tab:green")
+    rewards = [s.reward_mean for s in steps]
+    top.plot(x, rewards, marker=".", color="tab:green", alpha=0.35, label="per step")
+    # One step's batch is small, so its reward is noisy: the moving average shows the trend.
+    window = max(1, min(10, len(rewards) // 5))
+    smooth = [sum(rewards[max(0, i - window + 1) : i + 1]) / len(rewards[max(0, i - window + 1) : i + 1])
+              for i in range(len(rewards))]
+    top.plot(x, smooth, color="tab:green", linewidth=2, label=f"mean of last {window} steps")
     top.set_ylabel("mean reward")
+    top.legend()
     top.grid(alpha=0.3)
     bottom.plot(x, [sum(s.staleness) / len(s.staleness) for s in steps], marker=".", label="mean")
     bottom.plot(x, [max(s.staleness) for s in steps], linestyle="--", label="max")
