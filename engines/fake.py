@@ -84,7 +84,6 @@ class FakeRolloutEngine:
         self._versions: list[int] = [0]
         self._waiting: deque[tuple[GenerationRequest, asyncio.Queue[Sample]]] = deque()
         self.active = 0  # sequences decoding now
-        self.max_active = 0
 
     @property
     def version(self) -> int:
@@ -129,7 +128,6 @@ class FakeRolloutEngine:
         while self._waiting and self.active < self.slots:
             request, out = self._waiting.popleft()
             self.active += 1
-            self.max_active = max(self.max_active, self.active)
             start = loop.time()
             duration = self._latency()
             end = start + duration

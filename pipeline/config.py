@@ -126,7 +126,7 @@ def _to_k(name: str, value: float) -> int:
 
 
 class RoleConfig(_Model):
-    """Per-role settings: error policy, micro-batching, CPU thread budget."""
+    """Per-role settings: error policy and micro-batching."""
 
     max_retries: int = Field(0, ge=0)
     """Retries (with exponential backoff) of a failed unit of work before ``on_error`` applies."""
@@ -137,8 +137,6 @@ class RoleConfig(_Model):
     samples as dropped with the error as reason and carries on (their slots are refilled)."""
     micro_batch_size: int | None = Field(None, ge=1)
     """Items per unit of work for this role; default ``flow.micro_batch_size``."""
-    num_threads: int | None = Field(None, ge=1)
-    """torch CPU threads for this role's engine; default: the flow's budget split."""
 
 
 class FlowConfig(_Model):

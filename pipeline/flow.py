@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -66,7 +66,6 @@ class FlowResult:
     roles: dict[str, RoleSummary]
     run_dir: Path | None = None
     metrics_port: int | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def samples_per_s(self) -> float:
@@ -75,10 +74,6 @@ class FlowResult:
     @property
     def tokens_per_s(self) -> float:
         return sum(s.tokens for s in self.steps) / self.wall_s if self.wall_s > 0 else 0.0
-
-    @property
-    def mean_step_time_s(self) -> float:
-        return self.wall_s / len(self.steps) if self.steps else 0.0
 
 
 class AsyncTrainingFlow:

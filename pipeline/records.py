@@ -17,9 +17,8 @@ boundaries use pydantic instead.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
-from typing import Any
 
 
 class FinishReason(str, Enum):
@@ -49,7 +48,6 @@ class PromptGroup:
     prompt_ids: list[int]
     n: int
     answer: str | None = None
-    metadata: dict[str, Any] = field(default_factory=dict)
     step: int = -1
     admitted_version: int = -1
 

@@ -126,7 +126,6 @@ class StateMachine:
         self.state_seconds: Counter[State] = Counter()
         self.transitions: Counter[tuple[State, State]] = Counter()
         self.items_done = 0  # items that left this stage's units of work successfully
-        self.tokens_done = 0  # response tokens in those items
         self.version = 0  # the policy version this role last worked with
 
     # ------------------------------------------------------------------ states
@@ -209,10 +208,12 @@ class StateMachine:
         self.log.warning("dropped", prompts=len(items), reason=reason)
 
     # ------------------------------------------------------------------ channels
-    async def receive(self) -> list[Any] | None:
-        """Wait for the next micro-batch; ``None`` at end of stream."""
+    async def receive(self, waiting: State | None = State.WAITING_INPUT) -> list[Any] | None:
+        """Wait for the next micro-batch; ``None`` at end of stream. The role shows ``waiting``
+        meanwhile (``None``: its state stays as it is, e.g. RUNNING while it has work in flight)."""
         assert self.inbox is not None, f"stage {self.name!r} has no input channel"
-        self.set_state(State.WAITING_INPUT)
+        if waiting is not None:
+            self.set_state(waiting)
         try:
             return await self.inbox.receive_batch(self.micro_batch_size, self.config.flow.batch_linger_s)
         except EndOfStream:

@@ -18,7 +18,6 @@ import asyncio
 from collections import deque
 
 from engines.protocols import GenerationRequest
-from pipeline.channel import EndOfStream
 from pipeline.records import PromptGroup
 from pipeline.staleness import Admission
 from state_machines.base import State, StateMachine
@@ -52,7 +51,7 @@ class GenerateStateMachine(StateMachine):
         async with asyncio.TaskGroup() as calls:  # owns every in-flight engine call
             while True:
                 self._refresh_state(State.WAITING_INPUT)
-                groups = await self.receive_quietly()
+                groups = await self.receive(waiting=None)  # _refresh_state chose the state
                 if groups is None:
                     break
                 pending = deque(groups)
@@ -66,14 +65,6 @@ class GenerateStateMachine(StateMachine):
                     calls.create_task(self._run_call(admitted))
         assert self.outbox is not None
         self.outbox.close()
-
-    async def receive_quietly(self) -> list[PromptGroup] | None:
-        """Receive without forcing WAITING_INPUT while calls still run (state stays RUNNING)."""
-        assert self.inbox is not None
-        try:
-            return await self.inbox.receive_batch(self.micro_batch_size, self.config.flow.batch_linger_s)
-        except EndOfStream:
-            return None
 
     def _admit(self, group: PromptGroup, admission: Admission) -> PromptGroup:
         group.step = admission.step
@@ -110,6 +101,5 @@ class GenerateStateMachine(StateMachine):
                 del todo[(sample.prompt_id, sample.index)]
                 await self.outbox.send(Generation(by_id[sample.prompt_id], sample))
                 self.items_done += 1
-                self.tokens_done += sample.num_tokens
 
         await self.work(groups, call)

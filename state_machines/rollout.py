@@ -25,10 +25,6 @@ class RolloutStateMachine(Stage[Generation, RolloutGroup]):
     def _forget(self, prompt_id: int) -> None:
         self._partial.pop(prompt_id, None)
 
-    @property
-    def partial_groups(self) -> int:
-        return len(self._partial)
-
     async def process(self, items: list[Generation]) -> list[RolloutGroup]:
         ledger = self.services.ledger
         done: list[RolloutGroup] = []
@@ -40,7 +36,6 @@ class RolloutStateMachine(Stage[Generation, RolloutGroup]):
             if gen.sample.index in samples:
                 raise RuntimeError(f"prompt {group.prompt_id}: sample {gen.sample.index} delivered twice")
             samples[gen.sample.index] = gen.sample
-            self.tokens_done += gen.sample.num_tokens
             if len(samples) == group.n:
                 del self._partial[group.prompt_id]
                 done.append(RolloutGroup(group, [samples[i] for i in range(group.n)]))

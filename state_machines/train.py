@@ -60,7 +60,6 @@ class TrainStateMachine(StateMachine):
         samples = [s for g in batch for s in g.samples]
         tokens = sum(s.num_tokens for s in samples)
         self.items_done += len(samples)
-        self.tokens_done += tokens
         rewards = [s.reward for s in samples if s.reward is not None]
         services.history.add(
             StepRecord(
