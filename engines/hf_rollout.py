@@ -52,7 +52,6 @@ from engines.threads import apply_thread_budget
 from engines.tokenizer import load_tokenizer
 from engines.torch_weights import unique_weights
 from param_sync import LayoutError, LoadMode, Manifest, StaleVersionError, SyncError, TensorSlice
-from param_sync.bucket import dtype_name
 from pipeline.records import FinishReason, ResumePolicy, Sample
 
 __all__ = ["EngineClosedError", "HFRolloutEngine", "HFSyncTarget", "NamedTensors"]
@@ -625,12 +624,7 @@ class HFSyncTarget:
             weight = live.get(meta.name)
             if weight is None:
                 raise LayoutError(f"the rollout model has no weight {meta.name!r}")
-            if meta.dtype != dtype_name(weight.dtype) or meta.shape != tuple(weight.shape):
-                # Never cast: the trainer and rollout dtypes must match (engines.dtype sets both).
-                raise LayoutError(
-                    f"{meta.name}: sent as {meta.dtype}{list(meta.shape)}, held as "
-                    f"{dtype_name(weight.dtype)}{list(weight.shape)} (dtypes are never converted)"
-                )
+            meta.check_lands_in(weight)  # engines.dtype sets the trainer's and rollout's alike
         if missing := live.keys() - {meta.name for meta in manifest.tensors}:
             raise LayoutError(f"the transfer leaves {len(missing)} weights unset, e.g. {sorted(missing)[:3]}")
         if self._mode == "swap":

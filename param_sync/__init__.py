@@ -11,7 +11,7 @@ from param_sync.bucket import BucketHeader, Manifest, TensorMeta, TensorSlice, c
 from param_sync.buffer import BufferHalf, DualBuffer
 from param_sync.errors import GatherError, LayoutError, StaleVersionError, SyncError, TransferError
 from param_sync.module import ModuleSource, ModuleTarget, StepGate
-from param_sync.protocols import LoadMode, SyncSource, SyncTarget, Transport
+from param_sync.protocols import LoadMode, MappableTarget, SyncSource, SyncTarget, Transport
 from param_sync.receiver import LoadReport, Receiver
 from param_sync.syncer import ParamSyncer
 from param_sync.transports import DistTransport, InProcessTransport, ShmTransport, serve_dist, serve_shm
@@ -27,6 +27,7 @@ __all__ = [
     "LoadMode",
     "LoadReport",
     "Manifest",
+    "MappableTarget",
     "ModuleSource",
     "ModuleTarget",
     "ParamSyncer",

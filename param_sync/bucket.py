@@ -104,6 +104,15 @@ class TensorMeta:
     def matches(self, name: str, tensor: torch.Tensor) -> bool:
         return name == self.name and dtype_name(tensor.dtype) == self.dtype and tuple(tensor.shape) == self.shape
 
+    def check_lands_in(self, tensor: torch.Tensor) -> None:
+        """Raise :class:`LayoutError` unless ``tensor`` has this weight's dtype and shape: the
+        bytes are never cast or reshaped on the way in."""
+        if self.dtype != dtype_name(tensor.dtype) or self.shape != tuple(tensor.shape):
+            raise LayoutError(
+                f"{self.name}: sent as {self.dtype}{list(self.shape)}, held as "
+                f"{dtype_name(tensor.dtype)}{list(tensor.shape)} (dtypes are never cast)"
+            )
+
 
 @dataclass(slots=True, frozen=True)
 class TensorSlice:

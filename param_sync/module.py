@@ -17,6 +17,13 @@ Invariants of :class:`ModuleTarget`:
   update never touches the live weights. The generator must read the weights through the
   module on every step (a CUDA graph or compiled kernel that captured data pointers would
   keep the old ones: use ``pause`` mode there);
+- ``swap`` mode on host weights may instead *map* an update (:meth:`ModuleTarget.map_update`):
+  the idle set is then the transport's buffer half itself, so nothing is copied on this side
+  and the commit repoints each weight into that half. While it serves from a half the target
+  holds no weight memory of its own; the sender must not write that half until the target
+  has moved on, which it guarantees by writing a half only after the previous transfer ended
+  and by having the target :meth:`~ModuleTarget.detach` (copy its live weights out) whenever an
+  update is aborted, as the half it serves from is then the next one to be written;
 - ``pause`` mode copies into the live weights while holding the gate; an update aborted after
   its first copy keeps generation paused (a half-loaded model never serves) until the next
   update commits.
@@ -33,7 +40,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from param_sync.bucket import Manifest, TensorSlice, dtype_name
+from param_sync.bucket import Manifest, TensorSlice
 from param_sync.errors import LayoutError, StaleVersionError, SyncError
 from param_sync.protocols import LoadMode
 
@@ -126,12 +133,10 @@ class ModuleTarget:
             if not tensor.is_contiguous():
                 raise ValueError(f"weight {name!r} is not contiguous; it cannot be loaded as raw bytes")
         # A copy, not empty_like: its pages are touched now rather than faulted in (slowly) by
-        # the first update.
-        self._idle: dict[int, torch.Tensor] = (
-            {tid: self._by_name[name].detach().clone() for tid, name in self._first_name.items()}
-            if load_mode == "swap"
-            else {}
-        )
+        # the first update. Empty while the live weights are mapped (see map_update).
+        self._idle: dict[int, torch.Tensor] = self._copies() if load_mode == "swap" else {}
+        self._mapped = False  # the live weights are views of a transport's buffer half
+        self._mapped_update = False  # the update in progress was begun by map_update
         self._pending: int | None = None  # version of the update in progress
         # name -> uint8 view of the tensor being loaded: a numpy view when it is in host memory,
         # as numpy's copy costs less per call than torch's and loads come in cache-sized pieces.
@@ -147,42 +152,62 @@ class ModuleTarget:
     def loaded_version(self) -> int:
         return self._version
 
+    @property
+    def can_map(self) -> bool:
+        """Whether :meth:`map_update` applies: ``swap`` mode with every weight in host memory."""
+        return self._mode == "swap" and all(t.device.type == "cpu" for t in self._by_name.values())
+
     def decode_step(self) -> AbstractContextManager[None]:
         """Wrap each decode step in this: weights never change inside it."""
         return self.gate.step()
 
     def begin_update(self, manifest: Manifest) -> None:
-        if self._pending is not None:
-            raise SyncError(f"update to version {self._pending} is still in progress")
-        if manifest.version < self._version:
-            raise StaleVersionError(f"version {manifest.version} is older than loaded version {self._version}")
+        live = self._check_update(manifest)
+        if self._mode == "swap" and not self._idle:
+            self._idle = self._copies()  # the last update was mapped: the idle set went with it
         dst: dict[str, np.ndarray | torch.Tensor] = {}
-        covered: dict[int, str] = {}
         for meta in manifest.tensors:
-            live = self._by_name.get(meta.name)
-            if live is None:
-                raise LayoutError(f"the rollout module has no weight {meta.name!r}")
-            if meta.dtype != dtype_name(live.dtype) or meta.shape != tuple(live.shape):
-                raise LayoutError(
-                    f"{meta.name}: sent as {meta.dtype}{list(meta.shape)}, held as "
-                    f"{dtype_name(live.dtype)}{list(live.shape)} (dtypes are never cast)"
-                )
-            tid = id(live)
-            if tid in covered:
-                raise LayoutError(f"{meta.name!r} and {covered[tid]!r} share one tensor here but were sent apart")
-            covered[tid] = meta.name
-            into = self._idle[tid] if self._mode == "swap" else live.detach()
+            tensor = live[meta.name]
+            into = self._idle[id(tensor)] if self._mode == "swap" else tensor.detach()
             flat = into.reshape(-1).view(torch.uint8)
             dst[meta.name] = flat.numpy() if flat.device.type == "cpu" else flat
-        missing = [name for tid, name in self._first_name.items() if tid not in covered]
-        if missing:
-            raise LayoutError(f"the transfer leaves {len(missing)} weights unset, e.g. {missing[:3]}")
         if self._mode == "swap":
             self._wait_for_device()  # the idle set was live until the last swap
         elif not self.gate.held:  # held already if an aborted update left the weights dirty
             self.gate.hold()
             self._held_at = time.perf_counter()
         self._dst, self._pending = dst, manifest.version
+
+    def map_update(self, manifest: Manifest, stream: np.ndarray) -> None:
+        """Begin an update whose weights are ``stream``'s bytes where they lie: no
+        ``load_bucket`` calls follow, and the commit serves straight from ``stream``.
+
+        ``stream`` must stay unwritten from now until this target has committed a later update
+        or has been detached; the caller checks its bytes before committing.
+        """
+        if not self.can_map:
+            raise SyncError("map_update needs swap mode and weights in host memory")
+        live = self._check_update(manifest)
+        flat = torch.from_numpy(stream)
+        views: dict[int, torch.Tensor] = {}
+        for meta in manifest.tensors:
+            tensor = live[meta.name]
+            raw = flat[meta.offset : meta.offset + meta.nbytes]
+            views[id(tensor)] = raw.view(tensor.dtype).view(tensor.shape)
+        self._idle, self._pending = views, manifest.version
+        self._mapped_update = True
+
+    def detach(self) -> None:
+        """Serve from weights of this target's own again: copy the live weights out of the
+        transport's buffer they are mapped from (generation keeps running during the copy and
+        stalls only for the repointing). A no-op unless the live weights are mapped."""
+        if not self._mapped:
+            return
+        copies = self._copies()
+        with self._held():
+            for tid, copy in copies.items():
+                self._by_name[self._first_name[tid]].data = copy
+            self._mapped = False
 
     def load_bucket(self, slices: Sequence[TensorSlice]) -> None:
         if self._pending is None:
@@ -205,15 +230,63 @@ class ModuleTarget:
             for tid, idle in self._idle.items():
                 live = self._by_name[self._first_name[tid]]
                 self._idle[tid], live.data = live.data, idle
+            if self._mapped_update:
+                # What served until now is either a half the sender will write next or memory
+                # of our own that mapping makes redundant: keep neither.
+                self._idle, self._mapped = {}, True
         self._version = version
-        self._pending, self._dst, self._dirty = None, {}, False
+        self._pending, self._dst, self._dirty, self._mapped_update = None, {}, False, False
         held_s = time.perf_counter() - self._held_at
         self.gate.release()
         return held_s
 
     def abort(self) -> None:
-        self._pending, self._dst = None, {}
+        if self._mapped_update:
+            self._idle = {}  # views of the half being abandoned, never served
+        self._pending, self._dst, self._mapped_update = None, {}, False
         if self._mode == "pause" and not self._dirty:
+            self.gate.release()
+        # An aborted transfer was written into the other half; the next one goes into the half
+        # the live weights may be mapped from.
+        self.detach()
+
+    def _check_update(self, manifest: Manifest) -> dict[str, torch.Tensor]:
+        """The live tensor each of ``manifest``'s names loads into, once the manifest is known
+        to name every weight exactly once with its dtype and shape, and to move forward."""
+        if self._pending is not None:
+            raise SyncError(f"update to version {self._pending} is still in progress")
+        if manifest.version < self._version:
+            raise StaleVersionError(f"version {manifest.version} is older than loaded version {self._version}")
+        live: dict[str, torch.Tensor] = {}
+        covered: dict[int, str] = {}
+        for meta in manifest.tensors:
+            tensor = self._by_name.get(meta.name)
+            if tensor is None:
+                raise LayoutError(f"the rollout module has no weight {meta.name!r}")
+            meta.check_lands_in(tensor)
+            if id(tensor) in covered:
+                raise LayoutError(f"{meta.name!r} and {covered[id(tensor)]!r} share one tensor here but were sent apart")
+            covered[id(tensor)] = meta.name
+            live[meta.name] = tensor
+        missing = [name for tid, name in self._first_name.items() if tid not in covered]
+        if missing:
+            raise LayoutError(f"the transfer leaves {len(missing)} weights unset, e.g. {missing[:3]}")
+        return live
+
+    def _copies(self) -> dict[int, torch.Tensor]:
+        """A private copy of every distinct live weight."""
+        return {tid: self._by_name[name].detach().clone() for tid, name in self._first_name.items()}
+
+    @contextmanager
+    def _held(self) -> Iterator[None]:
+        """Hold the gate (unless an unfinished pause-mode update holds it already)."""
+        if self.gate.held:
+            yield
+            return
+        self.gate.hold()
+        try:
+            yield
+        finally:
             self.gate.release()
 
     def _wait_for_device(self) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
 
+import numpy as np
 import torch
 
 from param_sync.bucket import BucketHeader, Manifest, TensorSlice
@@ -22,7 +23,7 @@ if TYPE_CHECKING:
     from param_sync.buffer import BufferHalf
     from param_sync.receiver import LoadReport
 
-__all__ = ["LoadMode", "SyncSource", "SyncTarget", "Transport"]
+__all__ = ["LoadMode", "MappableTarget", "SyncSource", "SyncTarget", "Transport"]
 
 # pause: generation pauses between two decode steps, the weights are copied in place, it resumes.
 # swap: the engine keeps a second weight set, loads into it while generating from the first,
@@ -79,6 +80,32 @@ class SyncTarget(Protocol):
 
     def abort(self) -> None:
         """Drop the update; the previous weights keep serving."""
+        ...
+
+
+@runtime_checkable
+class MappableTarget(SyncTarget, Protocol):
+    """A target that can serve an update straight from the transport's buffer half, so the
+    rollout side copies nothing (the receiver still checks every bucket before the commit).
+
+    The half must then stay unwritten for as long as the target serves from it. Senders keep
+    that promise by writing a half only after the previous transfer has ended; targets keep
+    theirs by detaching on every abort (the aborted transfer used the other half, so the half
+    they serve from is the next to be written) and when the transport closes.
+    """
+
+    @property
+    def can_map(self) -> bool:
+        """Whether ``map_update`` applies now (``swap`` mode, weights in host memory)."""
+        ...
+
+    def map_update(self, manifest: Manifest, stream: np.ndarray) -> None:
+        """Like ``begin_update``, but the update's weights are ``stream``'s bytes where they lie;
+        no ``load_bucket`` calls follow."""
+        ...
+
+    def detach(self) -> None:
+        """Copy the live weights out of a transport's buffer into memory of the target's own."""
         ...
 
 

@@ -1,9 +1,12 @@
 """The rollout side of every transport: verifies a transfer bucket by bucket and loads it.
 
-A transport calls ``begin(manifest, stream)``, then ``bucket(header)`` once the header's bytes
-are in ``stream``, then ``end()`` (or ``abort(reason)``), and ships the returned
-:class:`LoadReport` back to the trainer. ``stream`` is wherever the bytes land on this side:
-the trainer's buffer itself (in-process, shared memory) or a local staging buffer (broadcast).
+A transport calls ``begin(manifest, stream, persistent=...)``, then ``bucket(header)`` once the
+header's bytes are in ``stream``, then ``end()`` (or ``abort(reason)``), and ships the returned
+:class:`LoadReport` back to the trainer; ``close()`` when it stops. ``stream`` is wherever the
+bytes land on this side: the trainer's buffer half itself (in-process, shared memory:
+``persistent``, as the half is not written again before the next transfer begins) or a local
+staging buffer (broadcast). A ``swap`` target that can map (:class:`MappableTarget`) serves a
+persistent stream where it lies, so the rollout side only checks the bytes and copies none.
 
 Invariants:
 - a bucket is accepted only if it carries the transfer's version, the next sequence number,
@@ -13,7 +16,8 @@ Invariants:
   copies that run while generation is paused come from bytes already known good and cannot
   leave a half-loaded model; ``swap`` targets load each bucket into their idle set while
   generating, a cache-sized chunk at a time right after checksumming it, and commit only a
-  complete transfer whose every bucket checked out;
+  complete transfer whose every bucket checked out; a mapping target is handed the stream at
+  ``begin`` and, likewise, commits only a complete, verified transfer;
 - the receiver never raises into the transport: every failure becomes a report with
   ``ok=False``, and the target keeps serving its previous version.
 """
@@ -27,7 +31,7 @@ import numpy as np
 
 from param_sync.bucket import FUSE_NBYTES, MiB, U64, BucketHeader, Manifest, checksum
 from param_sync.errors import StaleVersionError, TransferError
-from param_sync.protocols import SyncTarget
+from param_sync.protocols import MappableTarget, SyncTarget
 
 __all__ = ["LoadReport", "Receiver"]
 
@@ -61,15 +65,16 @@ class Receiver:
         self._next_seq = 0
         self._error = ""
         self._begun = False  # target.begin_update succeeded; an abort must reach the target
+        self._mapped = False  # this transfer is served from the stream where it lies
         self._verify_s = 0.0
         self._load_s = 0.0
 
-    def begin(self, manifest: Manifest, stream: np.ndarray) -> None:
+    def begin(self, manifest: Manifest, stream: np.ndarray, *, persistent: bool = False) -> None:
         if self._manifest is not None:
             # The previous transfer never ended (its sender vanished): drop it whole.
             self._abort_target()
         self._manifest, self._stream = manifest, stream
-        self._next_seq, self._error, self._begun = 0, "", False
+        self._next_seq, self._error, self._begun, self._mapped = 0, "", False, False
         self._verify_s = self._load_s = 0.0
         try:
             if manifest.version < self.target.loaded_version:
@@ -78,8 +83,12 @@ class Receiver:
                 )
             if stream.size < manifest.total_nbytes:
                 raise TransferError(f"stream holds {stream.size} bytes, manifest needs {manifest.total_nbytes}")
-            if self.target.load_mode == "swap":
-                self.target.begin_update(manifest)
+            target = self.target
+            if persistent and isinstance(target, MappableTarget) and target.can_map:
+                target.map_update(manifest, stream)
+                self._begun = self._mapped = True
+            elif target.load_mode == "swap":
+                target.begin_update(manifest)
                 self._begun = True
         except Exception as exc:
             self._fail(exc)
@@ -117,6 +126,13 @@ class Receiver:
             self._fail(TransferError(f"sender aborted the transfer: {reason}"))
         return self._finish(ok=False)
 
+    def close(self) -> None:
+        """The transport stops: a target serving from its memory copies its weights out."""
+        if self._manifest is not None:
+            self.abort("the transport closed")
+        if isinstance(self.target, MappableTarget):
+            self.target.detach()
+
     def _accept(self, header: BucketHeader) -> None:
         manifest, stream = self._manifest, self._stream
         if manifest is None or stream is None:
@@ -130,7 +146,7 @@ class Receiver:
         start, stop = manifest.bucket_range(header.seq)
         if (header.offset, header.offset + header.nbytes) != (start, stop):
             raise TransferError(f"bucket {header.seq} covers [{header.offset}, +{header.nbytes}), expected [{start}, {stop})")
-        if self.target.load_mode == "swap":
+        if self.target.load_mode == "swap" and not self._mapped:
             value = self._verify_and_load(start, stop)
         else:
             t0 = time.perf_counter()

@@ -8,11 +8,12 @@ gathered. The event loop only awaits the two threads, which the syncer owns (its
 two, so work elsewhere on the loop's default executor can never starve a transfer).
 
 Invariants:
-- gathers are serial (one version at a time reads the trainer's weights) and transfers run
-  one at a time in the order their versions were gathered; the gather of ``v + 1`` may overlap
-  the transfer of ``v`` because they use different halves of the buffer. A sync releases the
-  gather lock only while holding the send lock, so the transfer that last read a half has
-  finished before the next gather writes it;
+- syncs run one at a time, in call order: the gather of ``v + 1`` starts only once the
+  transfer of ``v`` has ended. Within a sync the gather and the transfer overlap, bucket by
+  bucket. Not overlapping syncs is what lets receivers serve straight from the buffer
+  (:class:`~param_sync.protocols.MappableTarget`): ``v + 1`` is written into the half that
+  ``v - 1`` was sent in, which such receivers serve from until the transfer of ``v`` commits
+  (and which they copy out of if it aborts);
 - versions only move forward: the buffer rejects a version older than the newest gathered,
   and each target rejects one older than the one it serves;
 - a sync that fails raises a :class:`SyncError` after every receiver has either committed the
@@ -119,10 +120,9 @@ class ParamSyncer:
         self._name_map = dict(name_map or {})
         self._manifest: Manifest | None = None
         self._buffer: DualBuffer | None = None
-        self._gather_lock = asyncio.Lock()
-        self._send_lock = asyncio.Lock()
+        self._lock = asyncio.Lock()  # one sync at a time
         self._tasks: set[asyncio.Task[dict[str, float]]] = set()
-        # One gather and one send at a time at most (see the locks), so two threads suffice.
+        # One sync at a time: its gather and its send, so two threads suffice.
         self._threads = ThreadPoolExecutor(max_workers=2, thread_name_prefix="param-sync")
         self._loaded: dict[str, int] = {}
 
@@ -159,20 +159,18 @@ class ParamSyncer:
 
     async def _sync(self, version: int) -> dict[str, float]:
         start = time.perf_counter()
-        async with self._gather_lock:
+        async with self._lock:
             manifest, buffer = await self._prepare()
             half = buffer.inactive(version)
             manifest = manifest.with_version(version)
             feed = BucketFeed()
             gathering = self._in_thread(self._gather, manifest, half, feed)
-            await self._send_lock.acquire()
             sending = self._in_thread(self._send, manifest, half, feed)
             try:
                 gathered = await gathering
             except BaseException as exc:
                 # The transfer is aborting; it must end before the next sync writes this half.
                 await asyncio.wait([sending])
-                self._send_lock.release()
                 if not sending.cancelled():
                     sending.exception()  # the gather's failure is the one to report
                 if isinstance(exc, LayoutError):
@@ -181,14 +179,12 @@ class ParamSyncer:
                     raise
                 raise GatherError(f"gathering version {version} failed: {exc}") from exc
             buffer.publish(version)
-        try:
-            sent = await sending
-        except SyncError:
-            raise
-        except Exception as exc:
-            raise TransferError(f"transfer of version {version} failed: {type(exc).__name__}: {exc}") from exc
-        finally:
-            self._send_lock.release()
+            try:
+                sent = await sending
+            except SyncError:
+                raise
+            except Exception as exc:
+                raise TransferError(f"transfer of version {version} failed: {type(exc).__name__}: {exc}") from exc
         return self._metrics(manifest, gathered, sent, time.perf_counter() - start)
 
     async def _prepare(self) -> tuple[Manifest, DualBuffer]:
@@ -201,13 +197,12 @@ class ParamSyncer:
             except Exception as exc:
                 raise GatherError(f"reading the trainer's weights to plan the layout failed: {exc}") from exc
             if self._buffer is None or self._buffer.nbytes != manifest.total_nbytes:
-                async with self._send_lock:  # no transfer still reads the old halves
-                    halves = await self._in_thread(self._allocate, manifest.total_nbytes)
-                    old = self._buffer
-                    # The version carries over: a new layout does not let versions go back.
-                    self._buffer = DualBuffer(halves, version=None if old is None else old.version)
-                    if old is not None:
-                        old.close()
+                halves = await self._in_thread(self._allocate, manifest.total_nbytes)
+                old = self._buffer
+                # The version carries over: a new layout does not let versions go back.
+                self._buffer = DualBuffer(halves, version=None if old is None else old.version)
+                if old is not None:
+                    old.close()
             self._manifest = manifest
         assert self._buffer is not None
         return self._manifest, self._buffer

@@ -2,7 +2,8 @@
 
 Nothing is copied in transit: each receiver verifies and loads straight from the half the
 gather is writing, bucket by bucket, so the only copies are gather (weights -> buffer) and
-load (buffer -> engine). Receivers are served one after the other in the send thread.
+load (buffer -> engine), and a target that maps the half skips the load. Receivers are served
+one after the other in the send thread.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ class InProcessTransport:
 
     def send(self, manifest: Manifest, half: BufferHalf, buckets: Iterable[BucketHeader]) -> list[LoadReport]:
         for receiver in self.receivers:
-            receiver.begin(manifest, half.array)
+            receiver.begin(manifest, half.array, persistent=True)
         try:
             for header in buckets:
                 for receiver in self.receivers:
@@ -39,4 +40,6 @@ class InProcessTransport:
         return [receiver.end() for receiver in self.receivers]
 
     def close(self) -> None:
-        """Nothing to free: the receivers belong to the caller."""
+        """The halves are about to be freed: receivers serving from one copy their weights out."""
+        for receiver in self.receivers:
+            receiver.close()

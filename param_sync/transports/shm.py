@@ -3,15 +3,21 @@
 The dual buffer's halves are ``multiprocessing.shared_memory`` segments. The trainer announces
 a transfer and each finished bucket over a pipe per rollout process; the rollout process
 (:func:`serve_shm`) verifies and loads each bucket straight from the segment while the trainer
-gathers the next one, so the two processes work in parallel and the bytes are copied twice in
-all (gather, load).
+gathers the next one, so the two processes work in parallel. A rollout whose weights are in
+host memory maps the segment instead of loading it (:class:`~param_sync.protocols.MappableTarget`):
+the bytes are then copied once in all (the gather) and read twice (both checksums).
 
 Invariants:
 - the trainer owns the segments: it creates them, and unlinks them when the buffer is
   released; a rollout process only maps them, and unmaps them when it stops;
 - every transfer ends with exactly one answer per rollout process, a report from that process
   or a failed report written here when it is gone or does not answer within ``timeout_s``;
-- a closed pipe in the middle of a transfer aborts it on the rollout side: old weights serve.
+- a closed pipe in the middle of a transfer aborts it on the rollout side: old weights serve;
+- a rollout process that does not answer within ``timeout_s`` is given up: its pipe is closed
+  and it gets no more transfers. It must not serve again (restart it), because the trainer
+  goes on to write the half it may still be mapped from;
+- the rollout process keeps a segment mapped as long as it may serve from it: it unmaps only
+  segments older than the two newest, after the transfer into the newest has ended.
 
 Rollout processes must be started by the trainer's process (``multiprocessing`` spawn or fork)
 so that they share its resource tracker; an unrelated process would have its own tracker
@@ -87,8 +93,9 @@ class ShmTransport:
 
     def close(self) -> None:
         self._post(Close())
-        for conn in self._conns:
-            conn.close()
+        for i, conn in enumerate(self._conns):
+            if i not in self._dead:
+                conn.close()
 
     def _post(self, message: object) -> None:
         for i, conn in enumerate(self._conns):
@@ -108,8 +115,9 @@ class ShmTransport:
         while i not in self._dead:
             try:
                 if not conn.poll(max(0.0, deadline - time.monotonic())):
-                    # Left open: a late answer carries an old transfer number and is skipped.
-                    return self._failed(i, f"no answer within {self._timeout_s:g} s")
+                    self._dead[i] = f"no answer within {self._timeout_s:g} s"
+                    conn.close()
+                    break
                 message = conn.recv()
             except (EOFError, OSError) as exc:
                 self._dead[i] = f"rollout process gone ({type(exc).__name__})"
@@ -125,7 +133,9 @@ class ShmTransport:
 
 def serve_shm(conn: Connection, receiver: Receiver) -> None:
     """The rollout process's loop: apply each transfer announced on ``conn`` until ``Close``
-    or until the trainer's end of the pipe closes (a transfer in flight is then aborted)."""
+    or until the trainer's end of the pipe closes (a transfer in flight is then aborted).
+    On the way out the receiver copies mapped weights into memory of its own, then the
+    segments are unmapped."""
     segments: OrderedDict[str, SharedMemory] = OrderedDict()
     transfer = 0
     try:
@@ -139,23 +149,27 @@ def serve_shm(conn: Connection, receiver: Receiver) -> None:
                 receiver.bucket(message)
             elif isinstance(message, Begin):
                 transfer = message.transfer
-                receiver.begin(message.manifest, _map(segments, message.segment, message.manifest.total_nbytes))
-            elif isinstance(message, End):
-                conn.send(Ack(transfer, receiver.end()))
-            elif isinstance(message, Abort):
-                conn.send(Ack(transfer, receiver.abort(message.reason)))
+                stream = _map(segments, message.segment, message.manifest.total_nbytes)
+                receiver.begin(message.manifest, stream, persistent=True)
+                del stream
+            elif isinstance(message, (End, Abort)):
+                report = receiver.end() if isinstance(message, End) else receiver.abort(message.reason)
+                # The target now serves from the newest segment or from its own memory.
+                _unmap_older(segments, keep=2)
+                conn.send(Ack(transfer, report))
             elif isinstance(message, Close):
                 return
             else:
                 raise TypeError(f"unexpected message {type(message).__name__}")
     finally:
+        receiver.close()
         for segment in segments.values():
             segment.close()
 
 
 def _map(segments: OrderedDict[str, SharedMemory], name: str | None, nbytes: int) -> np.ndarray:
     """A view of the first ``nbytes`` of segment ``name``, mapped once and kept while the
-    trainer may still use it (it has two live halves); an empty view if it cannot be."""
+    trainer may still use it; an empty view if it cannot be."""
     if name is None:
         return np.empty(0, np.uint8)
     if name not in segments:
@@ -165,10 +179,14 @@ def _map(segments: OrderedDict[str, SharedMemory], name: str | None, nbytes: int
             return np.empty(0, np.uint8)
         # Map every page now (one read each) rather than fault them in during the first load.
         np.frombuffer(segments[name].buf, np.uint8)[::_PAGE].sum()
-        while len(segments) > 2:
-            segments.popitem(last=False)[1].close()
     segments.move_to_end(name)
     segment = segments[name]
     if segment.size < nbytes:
         return np.empty(0, np.uint8)
     return np.ndarray((nbytes,), dtype=np.uint8, buffer=segment.buf)
+
+
+def _unmap_older(segments: OrderedDict[str, SharedMemory], *, keep: int) -> None:
+    """Unmap all but the ``keep`` most recently announced segments (a new buffer replaced them)."""
+    while len(segments) > keep:
+        segments.popitem(last=False)[1].close()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
+import numpy as np
 import pytest
 import torch
 from param_sync_models import (
@@ -251,3 +252,53 @@ async def test_a_source_that_fails_before_the_first_sync_is_reported_and_retried
     assert target.loaded_version == 0
     await syncer.sync(1)
     assert raw_state(rollout) == raw_state(trainer)
+
+
+def stream_owns(stream_half: np.ndarray, tensor: torch.Tensor) -> bool:
+    base = stream_half.ctypes.data
+    return base <= tensor.data_ptr() < base + stream_half.size
+
+
+async def test_a_mapping_rollout_serves_from_the_buffer_half_and_holds_no_copy() -> None:
+    trainer, (rollout,), (target,), _, syncer = rig("swap")
+    assert target.can_map
+    for version in (1, 2, 3):
+        fill_random(trainer, version)
+        await syncer.sync(version)
+        assert raw_state(rollout) == raw_state(trainer) and target.loaded_version == version
+        half = syncer._buffer.active.array  # the half this version was sent in
+        assert all(stream_owns(half, t) for t in rollout.state_dict().values())
+    assert rollout.head.weight is rollout.embed.weight  # ties survive the repointing
+
+
+@pytest.mark.parametrize("fault", ["corrupt", "killed"])
+async def test_after_an_aborted_transfer_the_next_gather_cannot_reach_the_weights_being_served(fault: str) -> None:
+    """Version 1 serves from half A; version 2 (half B) is aborted; the gather of version 3 then
+    writes half A and dies midway. A rollout still mapped from A would serve a torn mix: it
+    must have copied version 1 out when version 2 aborted."""
+    trainer, (rollout,), (target,), transport, syncer = rig("swap")
+    source = syncer.source
+    fill_random(trainer, 1)
+    await syncer.sync(1)
+    served = raw_state(rollout)
+    fill_random(trainer, 2)
+    transport.arm(fault)
+    with pytest.raises(TransferError):
+        await syncer.sync(2)
+    fill_random(trainer, 3)
+    source.arm(after=3)
+    with pytest.raises(GatherError):
+        await syncer.sync(3)
+    assert raw_state(rollout) == served and target.loaded_version == 1
+    await syncer.sync(3)
+    assert raw_state(rollout) == raw_state(trainer) and target.loaded_version == 3
+
+
+async def test_closing_the_transport_leaves_the_rollout_its_own_weights() -> None:
+    trainer, (rollout,), _, _, syncer = rig("swap")
+    fill_random(trainer, 1)
+    await syncer.sync(1)
+    half = syncer._buffer.active.array
+    await syncer.aclose()
+    assert raw_state(rollout) == raw_state(trainer)
+    assert not any(stream_owns(half, t) for t in rollout.state_dict().values())
