@@ -125,3 +125,29 @@ def test_the_rollout_side_aborts_when_the_trainer_vanishes_midway() -> None:
     finally:
         half.array = half.array[:0]
         half.release()
+
+
+def test_a_rollout_that_misses_the_timeout_is_given_up_and_its_pipe_closed() -> None:
+    """It may still serve from the half the next transfer writes, so it must get no more
+    transfers, and its end of the pipe tells it the trainer is gone."""
+    trainer = Net()
+    ours, theirs = CTX.Pipe()
+    transport = ShmTransport([ours], timeout_s=0.2)
+    named = list(ModuleSource(trainer).named_tensors_for_sync())
+    manifest = plan_manifest([(n, t.dtype, tuple(t.shape), t.numel() * t.element_size()) for n, t in named], bucket_nbytes=64, version=1)
+    half = transport.allocate(manifest.total_nbytes)
+    try:
+        (first,) = transport.send(manifest, half, [])
+        (second,) = transport.send(manifest.with_version(2), half, [])
+        assert not first.ok and "no answer within 0.2 s" in first.error
+        assert not second.ok and "no answer" in second.error
+        received: list[object] = []
+        with pytest.raises(EOFError):  # the trainer's end is gone ...
+            while theirs.poll(5):
+                received.append(theirs.recv())
+        # ... and nothing of the second transfer was sent to it
+        assert not [m for m in received if isinstance(m, Begin) and m.transfer == 2]
+    finally:
+        half.array = half.array[:0]
+        half.release()
+        transport.close()
