@@ -6,8 +6,13 @@ an int64 buffer) into a rollout module in ``swap`` mode. Each row reports the me
 ``--reps`` syncs after one warm-up (which plans the layout and allocates the buffer):
 end-to-end GB/s (bytes / wall time of ``sync()``) and the seconds of each phase, next to the
 memcpy bandwidth (``np.copyto`` of the same size, best of 3) measured in the same run: the
-physical limit of one copy. A sync copies every byte twice (weights -> buffer -> weights) and
-checksums it twice (sender, receiver), pipelined across two threads or processes.
+physical limit of one copy. The ``rollout`` column says what the rollout side does with the
+bytes: ``maps`` (serves straight from the buffer half: the bytes are copied once, by the
+gather, and checksummed twice), ``copies`` (checksums each piece, then copies it into its
+idle weight set: the path of targets that cannot map, shown for comparison), ``cuda`` (a
+rollout module on the GPU, loaded from pinned halves; compared with the pinned host-to-device
+bandwidth measured in the same run). Sender and receiver run pipelined in two threads or
+processes.
 
 Load modes: a fake generator runs decode steps of ``--decode-step-ms`` (a sleep: its compute
 is elsewhere, e.g. a GPU) through the rollout module's step gate while the weights are
@@ -86,6 +91,35 @@ class Blob(nn.Module):
         self.register_buffer("position_ids", torch.arange(WIDTH, dtype=torch.int64))
 
 
+class CopyingTarget(ModuleTarget):
+    """A host-memory target that declines to map: the copying path, for comparison."""
+
+    @property
+    def can_map(self) -> bool:
+        return False
+
+
+def rollout_target(rollout: str, size_mib: int) -> ModuleTarget:
+    """The rollout module's sync target for a row's ``rollout`` column."""
+    if rollout == "cuda":
+        return ModuleTarget(Blob(size_mib).cuda(), load_mode="swap")
+    return (ModuleTarget if rollout == "maps" else CopyingTarget)(Blob(size_mib), load_mode="swap")
+
+
+def h2d_gb_per_s(nbytes: int) -> float:
+    """Pinned host memory to the GPU, one copy of ``nbytes``, best of 3."""
+    src = torch.ones(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    best = float("inf")
+    for _ in range(3):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best / 1e9
+
+
 def memcpy_gb_per_s(nbytes: int) -> float:
     src = np.ones(nbytes, np.uint8)
     dst = np.zeros(nbytes, np.uint8)
@@ -125,9 +159,9 @@ async def timed_syncs(syncer: ParamSyncer, reps: int) -> dict[str, float]:
 # --- transports --------------------------------------------------------------------------
 
 
-def bench_inprocess(size_mib: int, reps: int, bucket_mb: float) -> dict[str, float]:
+def bench_inprocess(size_mib: int, reps: int, bucket_mb: float, rollout: str) -> dict[str, float]:
     async def run() -> dict[str, float]:
-        target = ModuleTarget(Blob(size_mib), load_mode="swap")
+        target = rollout_target(rollout, size_mib)
         transport = InProcessTransport([Receiver(target, consume_bucket_mb=bucket_mb)])
         syncer = ParamSyncer(ModuleSource(Blob(size_mib)), transport, produce_bucket_mb=bucket_mb)
         try:
@@ -138,16 +172,15 @@ def bench_inprocess(size_mib: int, reps: int, bucket_mb: float) -> dict[str, flo
     return asyncio.run(run())
 
 
-def shm_rollout(conn: Connection, size_mib: int, bucket_mb: float) -> None:
+def shm_rollout(conn: Connection, size_mib: int, bucket_mb: float, rollout: str) -> None:
     torch.set_num_threads(1)
-    target = ModuleTarget(Blob(size_mib), load_mode="swap")
-    serve_shm(conn, Receiver(target, consume_bucket_mb=bucket_mb))
+    serve_shm(conn, Receiver(rollout_target(rollout, size_mib), consume_bucket_mb=bucket_mb))
 
 
-def bench_shm(size_mib: int, reps: int, bucket_mb: float) -> dict[str, float]:
+def bench_shm(size_mib: int, reps: int, bucket_mb: float, rollout: str) -> dict[str, float]:
     ours, theirs = CTX.Pipe()
-    rollout = CTX.Process(target=shm_rollout, args=(theirs, size_mib, bucket_mb), daemon=True)
-    rollout.start()
+    process = CTX.Process(target=shm_rollout, args=(theirs, size_mib, bucket_mb, rollout), daemon=True)
+    process.start()
     theirs.close()
 
     async def run() -> dict[str, float]:
@@ -161,7 +194,7 @@ def bench_shm(size_mib: int, reps: int, bucket_mb: float) -> dict[str, float]:
     try:
         return asyncio.run(run())
     finally:
-        rollout.join(60)
+        process.join(60)
 
 
 def dist_rank(rank: int, init_file: str, size_mib: int, reps: int, bucket_mb: float, results: mp.SimpleQueue) -> None:
@@ -184,7 +217,7 @@ def dist_rank(rank: int, init_file: str, size_mib: int, reps: int, bucket_mb: fl
         dist.destroy_process_group()
 
 
-def bench_dist(size_mib: int, reps: int, bucket_mb: float) -> dict[str, float]:
+def bench_dist(size_mib: int, reps: int, bucket_mb: float, rollout: str) -> dict[str, float]:
     init_file = f"/tmp/tandem-bench-dist-{os.getpid()}-{size_mib}"
     results: mp.SimpleQueue = CTX.SimpleQueue()
     ranks = [CTX.Process(target=dist_rank, args=(r, init_file, size_mib, reps, bucket_mb, results)) for r in (0, 1)]
@@ -199,11 +232,13 @@ def bench_dist(size_mib: int, reps: int, bucket_mb: float) -> dict[str, float]:
     return results.get()
 
 
-TRANSPORTS: dict[str, Callable[[int, int, float], dict[str, float]]] = {
+TRANSPORTS: dict[str, Callable[[int, int, float, str], dict[str, float]]] = {
     "inprocess": bench_inprocess,
     "shm": bench_shm,
     "dist": bench_dist,
 }
+# (transport, rollout) rows; a broadcast lands in a staging buffer, which is never mapped.
+ROWS_RUN = [("inprocess", "maps"), ("shm", "maps"), ("shm", "copies"), ("dist", "copies")]
 
 
 # --- load modes --------------------------------------------------------------------------
@@ -303,22 +338,26 @@ def main() -> None:
 
     costs = checksum_costs()
     rows: list[dict[str, object]] = []
+    runs = ROWS_RUN + ([("inprocess", "cuda")] if torch.cuda.is_available() else [])
     for size in sizes:
         memcpy = memcpy_gb_per_s(size * MiB)
-        for name, bench in TRANSPORTS.items():
-            console.log(f"{name}: {size} MiB")
-            m = bench(size, args.reps, args.bucket_mb)
-            rows.append(
-                {
-                    "transport": name,
-                    "size_mb": size,
-                    "bytes": int(m["bytes"]),
-                    "gb_per_s": m["gb_per_s"],
-                    "memcpy_gb_per_s": memcpy,
-                    "fraction_of_memcpy": m["gb_per_s"] / memcpy,
-                    **{k: m[k] for k in ("gather_s", "checksum_s", "send_s", "verify_s", "load_s", "stall_s", "total_s")},
-                }
-            )
+        for name, rollout in runs:
+            console.log(f"{name} ({rollout}): {size} MiB")
+            m = TRANSPORTS[name](size, args.reps, args.bucket_mb, rollout)
+            row: dict[str, object] = {
+                "transport": name,
+                "rollout": rollout,
+                "size_mb": size,
+                "bytes": int(m["bytes"]),
+                "gb_per_s": m["gb_per_s"],
+                "memcpy_gb_per_s": memcpy,
+                "fraction_of_memcpy": m["gb_per_s"] / memcpy,
+                **{k: m[k] for k in ("gather_s", "checksum_s", "send_s", "verify_s", "load_s", "stall_s", "total_s")},
+            }
+            if rollout == "cuda":
+                h2d = h2d_gb_per_s(size * MiB)
+                row.update(h2d_gb_per_s=h2d, fraction_of_h2d=m["gb_per_s"] / h2d)
+            rows.append(row)
     for mode in ("naive", "pause", "swap"):
         console.log(f"load mode {mode}: {sizes[-1]} MiB")
         rows.append(
@@ -332,19 +371,27 @@ def main() -> None:
 
     transport_rows = [r for r in rows if "transport" in r]
     mode_rows = [r for r in rows if "load_mode" in r]
-    shm_ok = all(r["fraction_of_memcpy"] >= SHM_TARGET for r in transport_rows if r["transport"] == "shm")
+    shm_ok = all(
+        r["fraction_of_memcpy"] >= SHM_TARGET for r in transport_rows if r["transport"] == "shm" and r["rollout"] == "maps"
+    )
     swap_ok = all(r["stall_decode_steps"] <= SWAP_TARGET for r in mode_rows if r["load_mode"] == "swap")
 
     table = Table(title="param sync: end-to-end bandwidth (swap mode, median of reps)")
-    for col in ("transport", "MiB", "GB/s", "memcpy GB/s", "% memcpy", "gather s", "checksum s", "send s", "verify s", "load s", "total s"):
+    for col in ("transport", "rollout", "MiB", "GB/s", "memcpy GB/s", "% memcpy", "gather s", "checksum s", "send s", "verify s", "load s", "total s"):
         table.add_column(col, justify="right")
     for r in transport_rows:
         table.add_row(
-            str(r["transport"]), str(r["size_mb"]), f"{r['gb_per_s']:.2f}", f"{r['memcpy_gb_per_s']:.2f}",
+            str(r["transport"]), str(r["rollout"]), str(r["size_mb"]), f"{r['gb_per_s']:.2f}", f"{r['memcpy_gb_per_s']:.2f}",
             f"{100 * r['fraction_of_memcpy']:.0f}%",
             *(f"{r[k]:.3f}" for k in ("gather_s", "checksum_s", "send_s", "verify_s", "load_s", "total_s")),
         )  # fmt: skip
     console.print(table)
+    for r in transport_rows:
+        if r["rollout"] == "cuda":
+            console.print(
+                f"cuda rollout, {r['size_mb']} MiB: {r['gb_per_s']:.2f} GB/s = {r['fraction_of_h2d']:.0%} of pinned "
+                f"host-to-device ({r['h2d_gb_per_s']:.2f} GB/s)"
+            )
     modes = Table(title=f"generation stall per update ({sizes[-1]} MiB, decode step {args.decode_step_ms:g} ms)")
     for col in ("load mode", "stall s", "stall decode steps", "update s"):
         modes.add_column(col, justify="right")
@@ -370,6 +417,7 @@ def main() -> None:
                     "transport_load_mode": "swap",
                     "torch_threads_per_process": 1,
                     "cpus": os.cpu_count(),
+                    "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
                     # Other work on the machine shares its cores: read the numbers with this.
                     "load_average_1m_at_end": os.getloadavg()[0],
                 },

@@ -302,3 +302,19 @@ async def test_closing_the_transport_leaves_the_rollout_its_own_weights() -> Non
     await syncer.aclose()
     assert raw_state(rollout) == raw_state(trainer)
     assert not any(stream_owns(half, t) for t in rollout.state_dict().values())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("mode", ["swap", "pause"])
+async def test_a_cuda_rollout_loads_bit_identical_weights_from_pinned_halves(mode: str) -> None:
+    trainer, rollout = Net(), Net().cuda()
+    target = ModuleTarget(rollout, load_mode=mode)
+    assert not target.can_map  # device weights are copied in, never mapped
+    syncer = ParamSyncer(ModuleSource(trainer), InProcessTransport([Receiver(target)]), produce_bucket_mb=TINY_MB)
+    for version in (1, 2):
+        fill_random(trainer, version)
+        await syncer.sync(version)
+    assert torch.from_numpy(syncer._buffer.active.array).is_pinned()
+    await syncer.aclose()
+    assert target.loaded_version == 2 and raw_state(rollout.cpu()) == raw_state(trainer)
