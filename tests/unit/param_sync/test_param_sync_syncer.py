@@ -318,3 +318,29 @@ async def test_a_cuda_rollout_loads_bit_identical_weights_from_pinned_halves(mod
     assert torch.from_numpy(syncer._buffer.active.array).is_pinned()
     await syncer.aclose()
     assert target.loaded_version == 2 and raw_state(rollout.cpu()) == raw_state(trainer)
+
+
+class Wide(torch.nn.Module):
+    """Tensors of several cache-sized parts, sizes that are not whole words, and buckets that
+    cut them where parts do not."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.odd = torch.nn.Parameter(torch.zeros(1_572_867, dtype=torch.float16))  # 3 MiB + 6 bytes
+        self.small = torch.nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))
+        self.big = torch.nn.Parameter(torch.zeros(700_001, dtype=torch.float32))
+
+
+@pytest.mark.parametrize("gather_threads", [1, 3])
+async def test_a_gather_spread_over_threads_checksums_and_delivers_every_byte(gather_threads: int) -> None:
+    trainer, rollout = Wide(), Wide()
+    target = ModuleTarget(rollout, load_mode="swap")
+    syncer = ParamSyncer(
+        ModuleSource(trainer), InProcessTransport([Receiver(target)]), produce_bucket_mb=1.5, gather_threads=gather_threads
+    )
+    for version in (1, 2):
+        fill_random(trainer, version)
+        metrics = await syncer.sync(version)  # a part summed wrongly fails its bucket's check
+        assert metrics["buckets"] == 4
+        assert raw_state(rollout) == raw_state(trainer)
+    await syncer.aclose()
