@@ -416,7 +416,7 @@ def main() -> None:
                     "bucket_mb": args.bucket_mb,
                     "transport_load_mode": "swap",
                     "torch_threads_per_process": 1,
-                    "cpus": os.cpu_count(),
+                    "cpus": len(os.sched_getaffinity(0)),  # the cores this run may use
                     "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
                     # Other work on the machine shares its cores: read the numbers with this.
                     "load_average_1m_at_end": os.getloadavg()[0],
