@@ -111,13 +111,26 @@ def greedy_accuracy(model_path: Any, problems: list) -> float:
     return evaluate(model, load_tokenizer(model_path), problems, do_sample=False).accuracy
 
 
-def test_the_default_job_on_a_reduced_budget_raises_held_out_accuracy(tmp_path: Any) -> None:
+ON_CUDA = pytest.param(
+    "cuda",
+    marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")],
+)
+
+
+@pytest.mark.parametrize("device", ["cpu", ON_CUDA])
+def test_the_default_job_on_a_reduced_budget_raises_held_out_accuracy(tmp_path: Any, device: str) -> None:
     from pipeline.config import load_config
     from tasks.arithmetic import generate_problems
 
     cfg = load_config(
         "configs/default.yaml",
-        ["run.max_steps=40", f"run.output_dir={tmp_path}", "run.name=short", "observability.metrics_port=null"],
+        [
+            "run.max_steps=40",
+            f"run.output_dir={tmp_path}",
+            "run.name=short",
+            "observability.metrics_port=null",
+            f"engines.device={device}",
+        ],
     )
     result = asyncio.run(AsyncTrainingFlow(cfg).run())
     assert len(result.steps) == 40 and result.ledger["balanced"] and max(result.staleness_counts) <= 1
