@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 __all__ = [
     "ConfigError",
     "AlgorithmConfig",
+    "ClusterConfig",
     "FakeEnginesConfig",
     "FlowConfig",
     "LatencySpec",
@@ -329,6 +330,60 @@ class TaskConfig(_Model):
     """A verifier call slower than this scores its samples as failed (reason recorded)."""
 
 
+POOL_ROLES = ("generate", "train", "ref_logp")
+
+
+class ClusterConfig(_Model):
+    """Where the engines run: threads of this process (``local``) or Ray actors (``ray``).
+
+    On Ray every role's engine is an actor placed in a placement group, one bundle per device
+    slot: a GPU where the cluster has GPUs, else one CPU. ``generate`` gets one rollout actor per
+    slot (its work is split between them); ``train`` (which logp shares) and ``ref_logp`` get one
+    actor over all their slots; the reward actor reserves nothing. Roles sharing a slot are
+    colocated and take turns under one lock (the hybrid engine); disjoint roles overlap.
+    """
+
+    backend: Literal["local", "ray"] = "local"
+    """``local``: engines in this process; ``ray``: engines as Ray actors driven from this
+    process's event loop (needs ``engines.type: torch`` and the ``ray`` extra)."""
+    address: str | None = None
+    """Ray: address of a running cluster (``auto``, ``host:6379``, ``ray://host:10001``);
+    None = start a local cluster for the run and stop it afterwards."""
+    num_cpus: int | None = Field(None, ge=1)
+    """Ray, local cluster only: the CPUs it offers; default the cores this process may use."""
+    device_mapping: dict[Literal[POOL_ROLES], list[int]] | None = None  # type: ignore[valid-type]
+    """ROLL style: the device slots each role holds, e.g. ``{train: [0], generate: [1, 2]}``.
+    Must name ``generate`` and ``train``; ``ref_logp``, when absent, shares train's slots."""
+    use_nodes_ratios: dict[Literal[POOL_ROLES], float] | None = None  # type: ignore[valid-type]
+    """Fractions of the cluster's slots per role, handed out as disjoint ranges in the order
+    train, ref_logp, generate (each at least one slot). Give this or ``device_mapping``;
+    neither means ``{train: 0.5, generate: 0.5}``."""
+    max_actor_restarts: int = Field(0, ge=0)
+    """Times Ray restarts a rollout or reward actor that died; the restarted rollout actor loads
+    the trainer's current weights and the work it held is redone through the role's retries
+    (so > 0 needs ``roles.generate.max_retries`` and ``roles.param_update.max_retries`` >= 1; a
+    reward batch is redone if ``roles.reward.max_retries`` >= 1, else the run stops). The trainer
+    and reference actors are never restarted: their state would be lost."""
+
+    @model_validator(mode="after")
+    def _one_placement(self) -> ClusterConfig:
+        if self.device_mapping is not None and self.use_nodes_ratios is not None:
+            raise ValueError("cluster: give device_mapping or use_nodes_ratios, not both")
+        for field, pools in (("device_mapping", self.device_mapping), ("use_nodes_ratios", self.use_nodes_ratios)):
+            if pools is not None and not {"generate", "train"} <= pools.keys():
+                raise ValueError(f"cluster.{field} must name generate and train, got {sorted(pools)}")
+        for role, slots in (self.device_mapping or {}).items():
+            if not slots or len(set(slots)) != len(slots) or min(slots) < 0:
+                raise ValueError(f"cluster.device_mapping.{role} must be distinct slot indices >= 0, got {slots}")
+        ratios = self.use_nodes_ratios or {}
+        for role, ratio in ratios.items():
+            if not 0 < ratio <= 1:
+                raise ValueError(f"cluster.use_nodes_ratios.{role} must be in (0, 1], got {ratio}")
+        if sum(ratios.values()) > 1 + 1e-9:
+            raise ValueError(f"cluster.use_nodes_ratios add up to {sum(ratios.values()):g}, more than the cluster")
+        return self
+
+
 class ObservabilityConfig(_Model):
     """Logs, metrics, trace and progress display."""
 
@@ -373,6 +428,8 @@ class TandemConfig(_Model):
     """How weights reach the rollout engines (used by the torch engines)."""
     observability: ObservabilityConfig = ObservabilityConfig()
     """Logs, metrics, trace."""
+    cluster: ClusterConfig = ClusterConfig()
+    """Where the engines run: this process or a Ray cluster."""
 
     @model_validator(mode="after")
     def _cross_checks(self) -> TandemConfig:
@@ -380,6 +437,7 @@ class TandemConfig(_Model):
         bad = [r for r in self.roles if r not in known]
         if bad:
             raise ValueError(f"roles has unknown role names {bad}; allowed: {sorted(known)}")
+        self._check_cluster()
         if self.engines.type == "torch":
             algo, stages = self.algorithm, self.flow.stages
             if algo.decoupled and "logp" not in stages:
@@ -394,6 +452,22 @@ class TandemConfig(_Model):
             if "ref_logp" in stages and algo.kl_coef == 0:
                 raise ValueError("flow.stages has ref_logp but algorithm.kl_coef is 0: the reference would go unused")
         return self
+
+    def _check_cluster(self) -> None:
+        cluster = self.cluster
+        if cluster.backend == "local":
+            return
+        if self.engines.type != "torch":
+            raise ValueError("cluster.backend=ray runs the torch engines as actors: needs engines.type=torch")
+        if self.engines.train_world_size != 1:
+            raise ValueError("cluster.backend=ray: engines.train_world_size must be 1 (the trainer is one actor)")
+        if cluster.max_actor_restarts > 0:
+            short = [r for r in ("generate", "param_update") if self.role(r).max_retries < 1]
+            if short:
+                raise ValueError(
+                    f"cluster.max_actor_restarts > 0 redoes a dead actor's work through the role's retries: "
+                    f"set roles.{short[0]}.max_retries >= 1"
+                )
 
     @property
     def max_concurrent(self) -> int:

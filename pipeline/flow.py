@@ -27,6 +27,7 @@ from pipeline.history import RunHistory, StepRecord, SyncRecord
 from pipeline.ledger import DropRecord, Ledger
 from pipeline.metrics import FlowMetrics
 from pipeline.report import plot_run
+from pipeline.resources import colocated_groups
 from pipeline.staleness import StalenessGate, VersionClock
 from pipeline.trace import TraceRecorder
 from state_machines.base import FlowServices, StageError, StateMachine
@@ -147,7 +148,7 @@ class AsyncTrainingFlow:
     def _locks(self) -> dict[str, asyncio.Lock]:
         """One fair lock per colocated group. logp shares the trainer's weights, so it always
         takes turns with train: a proximal score then never straddles an optimizer step."""
-        groups = [set(g) for g in self.config.flow.colocate]
+        groups = colocated_groups(self.config)  # flow.colocate, plus roles sharing Ray devices
         if "logp" in self.config.flow.stages and not any({"logp", "train"} <= g for g in groups):
             merged = {"logp", "train"}.union(*[g for g in groups if g & {"logp", "train"}])
             groups = [g for g in groups if not g & {"logp", "train"}] + [merged]
