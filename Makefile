@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	$(PIP) install --quiet --upgrade pip
 	# torch's CPU build first, from the wheel on these machines: an unpinned torch pulls CUDA.
 	$(PIP) install --quiet torch==2.13.0
-	$(PIP) install --quiet -e ".[torch,dev]"
+	$(PIP) install --quiet -e ".[torch,dev,ray]"
 	touch $(STAMP)
 
 install: $(STAMP)

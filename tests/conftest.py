@@ -71,3 +71,13 @@ def run_virtual(coro: Coroutine[Any, Any, T]) -> T:
 @pytest.fixture
 def config() -> TandemConfig:
     return make_config()
+
+
+@pytest.fixture(scope="session")
+def ray_cluster() -> Any:
+    """One local Ray cluster (2 CPUs) for the whole session, started on first use; the Ray
+    backend joins it instead of starting its own."""
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
