@@ -9,6 +9,10 @@ __all__ = ["build_components"]
 
 
 def build_components(config: TandemConfig) -> Components:
+    if config.cluster.backend == "ray":
+        from engines.ray_components import build_ray_components
+
+        return build_ray_components(config)
     kind = config.engines.type
     if kind == "fake":
         from engines.fake import build_fake_components

@@ -31,7 +31,18 @@ from engines.verifier_reward import VerifierReward
 from pipeline.components import Components, SourcePrompt
 from pipeline.config import ConfigError, TandemConfig, TorchEnginesConfig
 
-__all__ = ["build_torch_components", "resolve_model_path", "thread_budgets"]
+__all__ = [
+    "build_torch_components",
+    "prompt_source",
+    "reference_engine",
+    "resolve_model_path",
+    "rollout_engine",
+    "sampling_params",
+    "save_checkpoint",
+    "thread_budgets",
+    "train_engine",
+    "verifier_reward",
+]
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -107,61 +118,97 @@ def file_prompts(path: Path, tokenizer: Any) -> Any:
     return source
 
 
+def rollout_engine(config: TandemConfig, num_threads: int) -> HFRolloutEngine:
+    """The rollout engine a torch config describes, decoding on ``num_threads`` threads."""
+    spec = config.engines
+    assert isinstance(spec, TorchEnginesConfig)
+    return HFRolloutEngine(
+        str(resolve_model_path(spec.model_path)), device=spec.device, dtype=_DTYPES[spec.dtype],
+        max_batch_size=spec.max_batch_size, num_threads=num_threads, resume_policy=spec.resume_policy,
+    )
+
+
+def train_engine(config: TandemConfig, num_threads: int) -> TorchTrainEngine:
+    """The trained policy a torch config describes, computing on ``num_threads`` threads per rank."""
+    spec = config.engines
+    assert isinstance(spec, TorchEnginesConfig)
+    return TorchTrainEngine(
+        str(resolve_model_path(spec.model_path)), lr=spec.lr, device=spec.device, dtype=_DTYPES[spec.dtype],
+        temperature=config.rollout.temperature, weight_decay=spec.weight_decay, warmup_steps=spec.warmup_steps,
+        max_grad_norm=spec.max_grad_norm, max_tokens_per_micro_batch=spec.max_tokens_per_micro_batch,
+        num_threads=num_threads, world_size=spec.train_world_size,
+    )
+
+
+def reference_engine(config: TandemConfig, num_threads: int) -> TorchLogProbEngine:
+    """The frozen reference model a torch config describes."""
+    spec = config.engines
+    assert isinstance(spec, TorchEnginesConfig)
+    return TorchLogProbEngine(
+        str(resolve_model_path(spec.model_path)), device=spec.device, dtype=_DTYPES[spec.dtype],
+        temperature=config.rollout.temperature, max_tokens_per_micro_batch=spec.max_tokens_per_micro_batch,
+        num_threads=num_threads,
+    )
+
+
+def verifier_reward(config: TandemConfig) -> VerifierReward:
+    """The task's rule-based reward, scored in a worker process."""
+    from tasks.arithmetic import verify
+
+    return VerifierReward(verify, timeout_s=config.task.reward_timeout_s)
+
+
+def sampling_params(config: TandemConfig) -> SamplingParams:
+    r = config.rollout
+    return SamplingParams(r.max_new_tokens, r.temperature, r.top_p, r.top_k, tuple(r.stop))
+
+
+def prompt_source(config: TandemConfig, tokenizer: Any) -> Any:
+    """The run's prompts: the data file if one is named, else the task's generator."""
+    return file_prompts(config.task.data_path, tokenizer) if config.task.data_path else task_prompts(tokenizer)
+
+
+def save_checkpoint(engine: TorchTrainEngine, tokenizer: Any, folder: Path) -> None:
+    """Write the trainer's weights (loadable by ``from_pretrained``), tokenizer and optimizer state."""
+    state = engine.state_dict()
+    folder.mkdir(parents=True, exist_ok=True)
+    engine.model.save_pretrained(folder, state_dict=state["model"])
+    tokenizer.save_pretrained(folder)
+    torch.save({k: v for k, v in state.items() if k != "model"}, folder / "trainer_state.pt")
+
+
 def build_torch_components(config: TandemConfig) -> Components:
     """The embedded bundle for a config whose ``engines.type`` is ``torch``."""
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # per-load bars would interleave with the run's own display
-    from tasks.arithmetic import verify
-
     spec = config.engines
     assert isinstance(spec, TorchEnginesConfig)
-    model_path = str(resolve_model_path(spec.model_path))
-    dtype = _DTYPES[spec.dtype]
     gen_threads, train_threads = thread_budgets(config)
-    r = config.rollout
-    tokenizer = load_tokenizer(model_path)
-    prompts = file_prompts(config.task.data_path, tokenizer) if config.task.data_path else task_prompts(tokenizer)
-    rollout = HFRolloutEngine(
-        model_path, device=spec.device, dtype=dtype, max_batch_size=spec.max_batch_size,
-        num_threads=gen_threads, resume_policy=spec.resume_policy,
-    )
-    engine = TorchTrainEngine(
-        model_path, lr=spec.lr, device=spec.device, dtype=dtype, temperature=r.temperature,
-        weight_decay=spec.weight_decay, warmup_steps=spec.warmup_steps, max_grad_norm=spec.max_grad_norm,
-        max_tokens_per_micro_batch=spec.max_tokens_per_micro_batch, num_threads=train_threads,
-        world_size=spec.train_world_size,
-    )
-    reference = None
-    if "ref_logp" in config.flow.stages:
-        reference = TorchLogProbEngine(
-            model_path, device=spec.device, dtype=dtype, temperature=r.temperature,
-            max_tokens_per_micro_batch=spec.max_tokens_per_micro_batch, num_threads=train_threads,
-        )
-    reward = VerifierReward(verify, timeout_s=config.task.reward_timeout_s)
+    tokenizer = load_tokenizer(str(resolve_model_path(spec.model_path)))
+    rollout = rollout_engine(config, gen_threads)
+    engine = train_engine(config, train_threads)
+    reference = reference_engine(config, train_threads) if "ref_logp" in config.flow.stages else None
+    reward = verifier_reward(config)
     ps = config.param_sync
     weight_sync = TorchWeightSync.in_process(
         engine, rollout, load_mode=ps.load_mode,
         produce_bucket_mb=ps.produce_bucket_mb, consume_bucket_mb=ps.consume_bucket_mb,
     )
 
-    async def save_checkpoint(folder: Path) -> None:
-        state = await asyncio.to_thread(engine.state_dict)
-        folder.mkdir(parents=True, exist_ok=True)
-        engine.model.save_pretrained(folder, state_dict=state["model"])
-        tokenizer.save_pretrained(folder)
-        torch.save({k: v for k, v in state.items() if k != "model"}, folder / "trainer_state.pt")
+    async def checkpoint(folder: Path) -> None:
+        await asyncio.to_thread(save_checkpoint, engine, tokenizer, folder)
 
     # The sync first: a sync in flight finishes against live engines before they stop.
     closers = [weight_sync.close, rollout.close, engine.close, reward.close] + ([reference.close] if reference else [])
     return Components(
-        prompts=prompts,
+        prompts=prompt_source(config, tokenizer),
         rollout=rollout,
         trainer=RLTrainer(engine, config.algorithm),
         reward=reward,
         weight_sync=weight_sync,
-        sampling=SamplingParams(r.max_new_tokens, r.temperature, r.top_p, r.top_k, tuple(r.stop)),
+        sampling=sampling_params(config),
         reference=reference,
         close_callbacks=closers,
-        save_checkpoint=save_checkpoint,
+        save_checkpoint=checkpoint,
     )

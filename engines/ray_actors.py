@@ -1,0 +1,160 @@
+"""The Ray actors that host the embedded torch engines, one engine per actor process.
+
+Each actor builds its engine from the run's config with the same builders the in-process
+backend uses (``engines.torch_components``), so both backends compute identically; only the
+process boundary differs. Methods are ``async``: an actor serves several calls at once (a
+rollout actor streams many ``generate`` calls into one continuous batch), and the engines keep
+their blocking compute on their own worker threads, never on the actor's event loop.
+
+- :class:`RolloutActor`: an ``HFRolloutEngine`` plus the rollout end of weight sync
+  (:class:`~param_sync.transports.object_store.ObjectStoreEndpoint`), whose methods run in the
+  ``weights`` concurrency group: on an event loop and thread of their own, so a load never
+  stalls the streaming of samples.
+- :class:`TrainerActor`: the trained policy (``RLTrainer``) and the trainer end of weight sync
+  (``TorchWeightSync`` over an :class:`ObjectStoreTransport` to the rollout actors).
+- :class:`ReferenceActor`: the frozen reference model; :class:`RewardActor`: the verifier.
+
+Samples and groups cross as pickled records; an actor's changes to them (e.g. advantages set
+by the trainer) stay on its side, and everything the flow needs comes back as return values.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import ray
+
+from engines.protocols import GenerationRequest, RewardResult, SyncReport
+from param_sync.bucket import BucketHeader, Manifest
+from param_sync.receiver import LoadReport, Receiver
+from param_sync.transports.object_store import (
+    ObjectStoreEndpoint,
+    ObjectStoreTransport,
+    RemoteReceiver,
+)
+from pipeline.config import TandemConfig
+from pipeline.records import RolloutGroup, Sample
+
+__all__ = ["ReferenceActor", "RewardActor", "RolloutActor", "TrainerActor"]
+
+
+# Weight-sync calls wait for their turn on the "weights" loop, so it must hold a whole
+# transfer's calls at once: a bucket per call, far more than any model here has.
+@ray.remote(concurrency_groups={"weights": 1024})
+class RolloutActor:
+    def __init__(self, config: TandemConfig, name: str, num_threads: int) -> None:
+        from engines.hf_rollout import HFSyncTarget
+        from engines.torch_components import rollout_engine
+
+        self.name = name
+        self.engine = rollout_engine(config, num_threads)
+        target = HFSyncTarget(self.engine, load_mode=config.param_sync.load_mode)
+        receiver = Receiver(target, consume_bucket_mb=config.param_sync.consume_bucket_mb, engine=name)
+        self.endpoint = ObjectStoreEndpoint(receiver)
+
+    async def ready(self) -> tuple[int, int]:
+        """(process id, loaded version): a new pid means the actor was restarted."""
+        return os.getpid(), self.engine.version
+
+    async def generate(self, requests: Sequence[GenerationRequest]) -> AsyncIterator[Sample]:
+        async for sample in self.engine.generate(requests):
+            yield sample
+
+    @ray.method(concurrency_group="weights")
+    async def begin(self, transfer: int, manifest: Manifest) -> None:
+        await self.endpoint.begin(transfer, manifest)
+
+    @ray.method(concurrency_group="weights")
+    async def bucket(self, transfer: int, index: int, header: BucketHeader, chunk: np.ndarray) -> None:
+        await self.endpoint.bucket(transfer, index, header, chunk)
+
+    @ray.method(concurrency_group="weights")
+    async def end(self, transfer: int, index: int) -> LoadReport:
+        return await self.endpoint.end(transfer, index)
+
+    @ray.method(concurrency_group="weights")
+    async def abort(self, transfer: int, index: int, reason: str) -> LoadReport:
+        return await self.endpoint.abort(transfer, index, reason)
+
+
+@ray.remote
+class TrainerActor:
+    def __init__(self, config: TandemConfig, num_threads: int) -> None:
+        from engines.rl_trainer import RLTrainer
+        from engines.tokenizer import load_tokenizer
+        from engines.torch_components import resolve_model_path, train_engine
+
+        self.config = config
+        self.engine = train_engine(config, num_threads)
+        self.trainer = RLTrainer(self.engine, config.algorithm)
+        self.tokenizer = load_tokenizer(str(resolve_model_path(config.engines.model_path)))  # type: ignore[union-attr]
+        self.weight_sync: Any = None
+
+    async def ready(self) -> tuple[int, int]:
+        return os.getpid(), self.engine.version
+
+    async def connect(self, rollouts: list[tuple[str, Any]]) -> None:
+        """Sync weights to these rollout actors, given as (name, handle) pairs."""
+        from engines.torch_sync import TorchWeightSync, TrainerSyncSource
+        from param_sync import ParamSyncer
+
+        source = TrainerSyncSource(self.engine)
+        transport = ObjectStoreTransport([RemoteReceiver(name, handle) for name, handle in rollouts])
+        syncer = ParamSyncer(source, transport, produce_bucket_mb=self.config.param_sync.produce_bucket_mb)
+        self.weight_sync = TorchWeightSync(source, syncer)
+
+    async def train_step(self, groups: Sequence[RolloutGroup]) -> tuple[dict[str, float], int]:
+        metrics = await self.trainer.train_step(groups)
+        return metrics, self.engine.version
+
+    async def logprobs(self, samples: Sequence[Sample]) -> list[list[float]]:
+        return await self.trainer.logprobs(samples)
+
+    async def sync(self, version: int) -> SyncReport:
+        return await self.weight_sync.sync(version)
+
+    async def save_state(self, folder: str) -> None:
+        await self.trainer.save_state(Path(folder))
+
+    async def load_state(self, folder: str) -> tuple[int, int]:
+        await self.trainer.load_state(Path(folder))
+        return os.getpid(), self.engine.version
+
+    async def save_checkpoint(self, folder: str) -> None:
+        import asyncio
+
+        from engines.torch_components import save_checkpoint
+
+        await asyncio.to_thread(save_checkpoint, self.engine, self.tokenizer, Path(folder))
+
+
+@ray.remote
+class ReferenceActor:
+    def __init__(self, config: TandemConfig, num_threads: int) -> None:
+        from engines.torch_components import reference_engine
+
+        self.engine = reference_engine(config, num_threads)
+
+    async def ready(self) -> tuple[int, int]:
+        return os.getpid(), self.engine.version
+
+    async def logprobs(self, samples: Sequence[Sample]) -> list[list[float]]:
+        return await self.engine.logprobs(samples)
+
+
+@ray.remote
+class RewardActor:
+    def __init__(self, config: TandemConfig) -> None:
+        from engines.torch_components import verifier_reward
+
+        self.reward = verifier_reward(config)
+
+    async def ready(self) -> tuple[int, int]:
+        return os.getpid(), 0
+
+    async def score(self, samples: Sequence[Sample], answers: Sequence[str | None]) -> list[RewardResult]:
+        return await self.reward.score(samples, answers)

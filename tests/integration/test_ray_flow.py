@@ -1,0 +1,182 @@
+"""The flow on Ray (a local 2-CPU cluster the tests start): the default job's engines as
+actors, a colocated placement, and a rollout actor that dies mid-run."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import statistics
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engines.factory import build_components
+from engines.protocols import GenerationRequest
+from pipeline import AsyncTrainingFlow, load_config
+from pipeline.config import TandemConfig
+from pipeline.records import Sample
+from tasks.arithmetic import MODEL_DIR, generate_problems
+
+ray = pytest.importorskip("ray")
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not (MODEL_DIR / "config.json").is_file(), reason="the shipped model is missing"),
+]
+
+# Mean reward of the last four steps over the first four, on a 16-problem data file (every
+# four steps see each problem twice, so the two means compare the same problems). Measured on
+# 8 seeds: +0.11 to +0.21 (median +0.15); an untrained policy stays near 0.
+RISE = 0.05
+
+
+def ray_config(tmp_path: Path, *overrides: str) -> TandemConfig:
+    return load_config(
+        "configs/default.yaml",
+        [
+            "cluster.backend=ray",
+            "engines.generation_threads=1",
+            "engines.train_threads=1",
+            "observability.metrics_port=null",
+            f"run.output_dir={tmp_path}",
+            *overrides,
+        ],
+    )
+
+
+def pids(components: Any) -> dict[str, int]:
+    actors = [*components.rollout.actors, components.trainer.actor]
+    return {a.name: ray.get(a.handle.ready.remote())[0] for a in actors}
+
+
+def assert_closed(components: Any) -> None:
+    for actor in [*components.rollout.actors, components.trainer.actor]:
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(actor.handle.ready.remote(), timeout=30)
+
+
+def test_the_default_job_trains_with_generation_and_training_in_separate_actors(
+    ray_cluster: Any, tmp_path: Path
+) -> None:
+    data = tmp_path / "problems.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p["prompt"], "answer": p["answer"]}) + "\n" for p in generate_problems(16, 4242)))
+    cfg = ray_config(tmp_path, "run.max_steps=12", f"task.data_path={data}", "run.name=ray_default")
+    components = build_components(cfg)
+    try:
+        where = pids(components)
+        result = asyncio.run(AsyncTrainingFlow(cfg, components).run())
+    finally:
+        components.close()
+    assert len(set(where.values()) | {os.getpid()}) == 3, where  # trainer, rollout, driver
+    assert result.ledger["balanced"] and result.ledger["trained"] == 12 * cfg.train.prompts_per_step
+    assert max(result.staleness_counts) <= cfg.staleness.k
+    assert [s.version for s in result.syncs] == sorted(s.version for s in result.syncs)
+    rewards = [s.reward_mean for s in result.steps]
+    first, last = statistics.mean(rewards[:4]), statistics.mean(rewards[-4:])
+    assert last >= first + RISE, rewards
+    assert (tmp_path / "ray_default" / "checkpoint" / "config.json").is_file()  # written by the trainer actor
+    assert_closed(components)
+
+
+class Intervals:
+    """Records when the engines computed: each generate stream, each train or logp call."""
+
+    def __init__(self, components: Any) -> None:
+        self.generate: list[tuple[float, float]] = []
+        self.train: list[tuple[float, float]] = []
+        rollout, trainer = components.rollout, components.trainer
+        inner_generate, inner_train, inner_logp = rollout.generate, trainer.train_step, trainer.logprobs
+
+        def now() -> float:
+            return asyncio.get_running_loop().time()
+
+        async def generate(requests: Sequence[GenerationRequest]) -> AsyncIterator[Sample]:
+            start = now()
+            async for sample in inner_generate(requests):
+                yield sample
+            self.generate.append((start, now()))
+
+        def timed(inner: Any) -> Any:
+            async def call(*args: Any) -> Any:
+                start = now()
+                out = await inner(*args)
+                self.train.append((start, now()))
+                return out
+
+            return call
+
+        rollout.generate = generate
+        trainer.train_step, trainer.logprobs = timed(inner_train), timed(inner_logp)
+
+
+def test_roles_on_shared_devices_take_turns_and_split_generation_over_two_actors(
+    ray_cluster: Any, tmp_path: Path
+) -> None:
+    cfg = ray_config(
+        tmp_path,
+        "cluster.device_mapping={train: [0, 1], generate: [0, 1]}",
+        "run.max_steps=3",
+        "train.prompts_per_step=4",
+        "rollout.samples_per_prompt=4",
+        "observability.write_run_dir=false",
+    )
+    components = build_components(cfg)
+    intervals = Intervals(components)
+    try:
+        result = asyncio.run(AsyncTrainingFlow(cfg, components).run())
+    finally:
+        components.close()
+    assert result.ledger["balanced"] and len(result.steps) == 3
+    assert [a.requests > 0 for a in components.rollout.actors] == [True, True]
+    assert intervals.generate and intervals.train
+    for g0, g1 in intervals.generate:
+        for t0, t1 in intervals.train:
+            assert g1 <= t0 or t1 <= g0, ("generation overlapped training", (g0, g1), (t0, t1))
+
+
+def test_a_killed_rollout_actor_is_replaced_and_every_prompt_is_trained_exactly_once(
+    ray_cluster: Any, tmp_path: Path
+) -> None:
+    cfg = ray_config(
+        tmp_path,
+        "cluster.max_actor_restarts=1",
+        "roles.generate.max_retries=3",
+        "roles.param_update.max_retries=3",
+        "run.max_steps=4",
+        "train.prompts_per_step=4",
+        "rollout.samples_per_prompt=4",
+        "observability.write_run_dir=false",
+    )
+    components = build_components(cfg)
+    rollout = components.rollout
+    actor = rollout.actors[0]
+    before = pids(components)["rollout-0"]
+    delivered: list[tuple[int, int]] = []
+    killed_with_in_flight: list[int] = []
+    inner = rollout.generate
+
+    async def generate(requests: Sequence[GenerationRequest]) -> AsyncIterator[Sample]:
+        async for sample in inner(requests):
+            delivered.append((sample.prompt_id, sample.index))
+            if len(delivered) == 24:  # mid step 1: the actor holds unfinished requests
+                killed_with_in_flight.append(actor.in_flight)
+                ray.kill(actor.handle, no_restart=False)
+            yield sample
+
+    rollout.generate = generate
+    try:
+        result = asyncio.run(AsyncTrainingFlow(cfg, components).run())
+        after = pids(components)["rollout-0"]
+    finally:
+        components.close()
+    assert after != before and killed_with_in_flight[0] > 0
+    per_step = cfg.train.prompts_per_step
+    trained = [pid for step in result.steps for pid in step.prompt_ids]
+    assert len(trained) == len(set(trained)) == 4 * per_step  # every prompt once
+    assert result.ledger["balanced"] and result.ledger["dropped"] == 0
+    # Samples the dead actor had not delivered were generated again, never delivered twice.
+    assert len(delivered) == len(set(delivered))
+    assert {(g, i) for g in trained for i in range(cfg.rollout.samples_per_prompt)} <= set(delivered)

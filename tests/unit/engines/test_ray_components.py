@@ -1,0 +1,108 @@
+"""The Ray rollout proxy over fake rollout actors: work split across actors, streams merged,
+and a dead actor waited for, reloaded and named."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import pytest
+
+from engines.fake import FakeRolloutEngine, LatencySampler
+from engines.protocols import GenerationRequest, SamplingParams
+from pipeline.config import LatencySpec
+from pipeline.records import Sample
+
+ray = pytest.importorskip("ray")
+
+from engines.ray_components import ActorFailedError, ActorRef, RayRolloutEngine
+
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import tests
+
+
+@ray.remote
+class FakeRolloutActor:
+    """A rollout actor's generate/ready interface over the fake engine (0.2 s a sequence)."""
+
+    def __init__(self) -> None:
+        self.engine = FakeRolloutEngine(64, LatencySampler(LatencySpec(mean_s=0.2), 0), 4)
+
+    async def ready(self) -> tuple[int, int]:
+        return os.getpid(), self.engine.version
+
+    async def generate(self, requests: Sequence[GenerationRequest]) -> AsyncIterator[Sample]:
+        async for sample in self.engine.generate(requests):
+            yield sample
+
+
+def requests(groups: int, n: int) -> list[GenerationRequest]:
+    return [GenerationRequest(g, i, [1, 2, 3], SamplingParams()) for g in range(groups) for i in range(n)]
+
+
+def proxy(count: int, restarts: int = 0) -> RayRolloutEngine:
+    actors = [
+        ActorRef("generate", f"rollout-{i}", FakeRolloutActor.options(num_cpus=0, max_restarts=restarts).remote(), restarts > 0)
+        for i in range(count)
+    ]
+    return RayRolloutEngine(actors)
+
+
+def kill_all(engine: RayRolloutEngine) -> None:
+    for actor in engine.actors:
+        ray.kill(actor.handle)
+
+
+def test_a_calls_groups_are_split_between_the_actors_and_every_sample_arrives_once(ray_cluster: Any) -> None:
+    engine = proxy(2)
+
+    async def run() -> list[tuple[int, int]]:
+        return [(s.prompt_id, s.index) async for s in engine.generate(requests(6, 2))]
+
+    try:
+        got = asyncio.run(run())
+    finally:
+        kill_all(engine)
+    assert sorted(got) == [(g, i) for g in range(6) for i in range(2)]
+    assert [a.requests for a in engine.actors] == [6, 6]  # whole groups, three to each
+    assert [a.in_flight for a in engine.actors] == [0, 0]
+
+
+async def first_then_kill(engine: RayRolloutEngine, delivered: list[Sample]) -> None:
+    async for sample in engine.generate(requests(4, 2)):
+        delivered.append(sample)
+        ray.kill(engine.actors[0].handle, no_restart=False)
+
+
+def test_past_the_restart_bound_a_dead_actor_fails_naming_its_role_and_name(ray_cluster: Any) -> None:
+    engine = proxy(1, restarts=0)
+    delivered: list[Sample] = []
+    with pytest.raises(ActorFailedError, match="generate actor 'rollout-0' failed"):
+        asyncio.run(first_then_kill(engine, delivered))
+    assert len(delivered) == 1 and engine.actors[0].in_flight == 0
+
+
+def test_a_restarted_actor_is_reloaded_before_the_call_fails_and_then_serves_again(ray_cluster: Any) -> None:
+    engine = proxy(1, restarts=1)
+    reloads: list[int] = []
+
+    async def resync() -> None:
+        reloads.append(1)
+
+    engine.resync = resync
+    engine._version = 3  # the flow has loaded version 3; the restarted actor holds version 0
+
+    async def run() -> list[Sample]:
+        delivered: list[Sample] = []
+        with pytest.raises(ActorFailedError, match="rollout-0"):
+            await first_then_kill(engine, delivered)
+        assert reloads == [1]  # reloaded before the failure reached the caller
+        return [s async for s in engine.generate(requests(1, 2))]  # the retry finds it serving
+
+    try:
+        again = asyncio.run(run())
+    finally:
+        kill_all(engine)
+    assert len(again) == 2
