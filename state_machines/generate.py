@@ -15,12 +15,14 @@ gate, else WAITING_INPUT.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections import deque
+from collections.abc import AsyncIterator
 
 from engines.protocols import GenerationRequest
 from pipeline.records import PromptGroup
 from pipeline.staleness import Admission
-from state_machines.base import State, StateMachine
+from state_machines.base import StageError, State, StateMachine
 from state_machines.messages import Generation
 
 __all__ = ["GenerateStateMachine", "request_seed"]
@@ -30,6 +32,17 @@ def request_seed(run_seed: int, prompt_id: int, index: int) -> int:
     """The sampling seed of one sequence: a function of the run seed and the sample alone, so a
     sample's tokens do not depend on the schedule that generated it."""
     return hash((run_seed, prompt_id, index)) & 0x7FFFFFFF
+
+
+@contextlib.asynccontextmanager
+async def _call_group() -> AsyncIterator[asyncio.TaskGroup]:
+    """A task group for engine calls that fails with its first call's :class:`StageError`, not
+    a group of them: calls on an engine that died all fail at once, for the same reason."""
+    try:
+        async with asyncio.TaskGroup() as group:
+            yield group
+    except* StageError as failed:
+        raise failed.exceptions[0] from None
 
 
 class GenerateStateMachine(StateMachine):
@@ -48,7 +61,7 @@ class GenerateStateMachine(StateMachine):
 
     async def main(self) -> None:
         gate = self.services.gate
-        async with asyncio.TaskGroup() as calls:  # owns every in-flight engine call
+        async with _call_group() as calls:  # owns every in-flight engine call
             while True:
                 self._refresh_state(State.WAITING_INPUT)
                 groups = await self.receive(waiting=None)  # _refresh_state chose the state
