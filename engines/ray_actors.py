@@ -11,7 +11,8 @@ their blocking compute on their own worker threads, never on the actor's event l
   ``weights`` concurrency group: on an event loop and thread of their own, so a load never
   stalls the streaming of samples.
 - :class:`TrainerActor`: the trained policy (``RLTrainer``) and the trainer end of weight sync
-  (``TorchWeightSync`` over an :class:`ObjectStoreTransport` to the rollout actors).
+  (``TorchWeightSync`` over an :class:`ObjectStoreTransport` to the rollout actors, or over a
+  ``DistTransport`` broadcasting to them in a gloo group, where they serve it on a thread).
 - :class:`ReferenceActor`: the frozen reference model; :class:`RewardActor`: the verifier.
 
 Samples and groups cross as pickled records; an actor's changes to them (e.g. advantages set
@@ -20,7 +21,11 @@ by the trainer) stay on its side, and everything the flow needs comes back as re
 
 from __future__ import annotations
 
+import asyncio
+import datetime
 import os
+import socket
+import threading
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -41,6 +46,8 @@ from pipeline.records import RolloutGroup, Sample
 
 __all__ = ["ReferenceActor", "RewardActor", "RolloutActor", "TrainerActor"]
 
+_GLOO_TIMEOUT = datetime.timedelta(minutes=2)
+
 
 # Weight-sync calls wait for their turn on the "weights" loop, so it must hold a whole
 # transfer's calls at once: a bucket per call, far more than any model here has.
@@ -50,11 +57,12 @@ class RolloutActor:
         from engines.hf_rollout import HFSyncTarget
         from engines.torch_components import rollout_engine
 
+        _quiet()
         self.name = name
         self.engine = rollout_engine(config, num_threads)
         target = HFSyncTarget(self.engine, load_mode=config.param_sync.load_mode)
-        receiver = Receiver(target, consume_bucket_mb=config.param_sync.consume_bucket_mb, engine=name)
-        self.endpoint = ObjectStoreEndpoint(receiver)
+        self.receiver = Receiver(target, consume_bucket_mb=config.param_sync.consume_bucket_mb, engine=name)
+        self.endpoint = ObjectStoreEndpoint(self.receiver)
 
     async def ready(self) -> tuple[int, int]:
         """(process id, loaded version): a new pid means the actor was restarted."""
@@ -63,6 +71,13 @@ class RolloutActor:
     async def generate(self, requests: Sequence[GenerationRequest]) -> AsyncIterator[Sample]:
         async for sample in self.engine.generate(requests):
             yield sample
+
+    async def join_dist(self, address: str, rank: int, world_size: int) -> None:
+        """Join the trainer's gloo group as ``rank``; serve its broadcasts on a thread of its own."""
+        from param_sync import serve_dist
+
+        await asyncio.to_thread(_init_gloo, address, rank, world_size)
+        threading.Thread(target=serve_dist, args=(self.receiver,), name="dist-serve", daemon=True).start()
 
     @ray.method(concurrency_group="weights")
     async def begin(self, transfer: int, manifest: Manifest) -> None:
@@ -88,6 +103,7 @@ class TrainerActor:
         from engines.tokenizer import load_tokenizer
         from engines.torch_components import resolve_model_path, train_engine
 
+        _quiet()
         self.config = config
         self.engine = train_engine(config, num_threads)
         self.trainer = RLTrainer(self.engine, config.algorithm)
@@ -98,12 +114,30 @@ class TrainerActor:
         return os.getpid(), self.engine.version
 
     async def connect(self, rollouts: list[tuple[str, Any]]) -> None:
-        """Sync weights to these rollout actors, given as (name, handle) pairs."""
+        """Sync weights through the object store to these rollout actors, as (name, handle) pairs."""
+        self._sync_over(ObjectStoreTransport([RemoteReceiver(name, handle) for name, handle in rollouts]))
+
+    async def dist_address(self) -> str:
+        """A rendezvous address on this actor's node for a gloo group it leads."""
+        host = ray.util.get_node_ip_address()
+        with socket.socket() as probe:
+            probe.bind((host, 0))
+            port = probe.getsockname()[1]
+        return f"tcp://{host}:{port}"
+
+    async def connect_dist(self, address: str, world_size: int) -> None:
+        """Lead a gloo group of ``world_size`` ranks (the rollout actors join it) and sync
+        weights by broadcast; returns once every rank has joined."""
+        from param_sync import DistTransport
+
+        await asyncio.to_thread(_init_gloo, address, 0, world_size)
+        self._sync_over(DistTransport(src=0))
+
+    def _sync_over(self, transport: Any) -> None:
         from engines.torch_sync import TorchWeightSync, TrainerSyncSource
         from param_sync import ParamSyncer
 
         source = TrainerSyncSource(self.engine)
-        transport = ObjectStoreTransport([RemoteReceiver(name, handle) for name, handle in rollouts])
         syncer = ParamSyncer(source, transport, produce_bucket_mb=self.config.param_sync.produce_bucket_mb)
         self.weight_sync = TorchWeightSync(source, syncer)
 
@@ -125,11 +159,23 @@ class TrainerActor:
         return os.getpid(), self.engine.version
 
     async def save_checkpoint(self, folder: str) -> None:
-        import asyncio
-
         from engines.torch_components import save_checkpoint
 
         await asyncio.to_thread(save_checkpoint, self.engine, self.tokenizer, Path(folder))
+
+
+def _quiet() -> None:
+    """No per-load progress bars: they would reach the driver's console through Ray's log."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
+def _init_gloo(address: str, rank: int, world_size: int) -> None:
+    import torch.distributed as dist
+
+    # A peer that died mid-broadcast fails the collective after this long, not gloo's 30 min.
+    dist.init_process_group("gloo", init_method=address, rank=rank, world_size=world_size, timeout=_GLOO_TIMEOUT)
 
 
 @ray.remote
@@ -137,6 +183,7 @@ class ReferenceActor:
     def __init__(self, config: TandemConfig, num_threads: int) -> None:
         from engines.torch_components import reference_engine
 
+        _quiet()
         self.engine = reference_engine(config, num_threads)
 
     async def ready(self) -> tuple[int, int]:

@@ -241,16 +241,27 @@ class RayReward:
 
 
 class RayWeightSync:
-    """``WeightSync``: the trainer actor gathers into its dual buffer and ships each bucket
-    through the object store to every rollout actor."""
+    """``WeightSync``: the trainer actor gathers into its dual buffer and ships each bucket to
+    every rollout actor, through the object store or by gloo broadcast (``transport``)."""
 
-    def __init__(self, trainer: ActorRef, rollout: RayRolloutEngine) -> None:
+    def __init__(self, trainer: ActorRef, rollout: RayRolloutEngine, transport: str) -> None:
         self.trainer = trainer
         self.rollout = rollout
-        self._connected = trainer.handle.connect.remote([(a.name, a.handle) for a in rollout.actors])
+        handle = trainer.handle
+        if transport == "dist":
+            # The address ref is passed on unresolved: Ray hands each call its value.
+            address, world = handle.dist_address.remote(), len(rollout.actors) + 1
+            joins = [a.handle.join_dist.remote(address, rank, world) for rank, a in enumerate(rollout.actors, 1)]
+            self._connecting = [handle.connect_dist.remote(address, world), *joins]
+        else:
+            self._connecting = [handle.connect.remote([(a.name, a.handle) for a in rollout.actors])]
+
+    async def _connected(self) -> None:
+        for ref in self._connecting:
+            await self.trainer.call(ref)
 
     async def sync(self, version: int) -> SyncReport:
-        await self.trainer.call(self._connected)
+        await self._connected()
         try:
             report: SyncReport = await self.trainer.call(self.trainer.handle.sync.remote(version))
         except ActorFailedError:
@@ -265,7 +276,7 @@ class RayWeightSync:
 
     async def reload(self) -> None:
         """Load the trainer's current weights into every rollout actor (after a restart)."""
-        await self.trainer.call(self._connected)
+        await self._connected()
         report: SyncReport = await self.trainer.call(self.trainer.handle.sync.remote(0))
         self.rollout._version = max(self.rollout._version, report.version)
 
@@ -368,7 +379,7 @@ def build_ray_components(config: TandemConfig) -> Components:
         raise
     trainer = actors["train"][0]
     rollout = RayRolloutEngine(actors["generate"])
-    weight_sync = RayWeightSync(trainer, rollout)
+    weight_sync = RayWeightSync(trainer, rollout, config.cluster.weight_transport)
     rollout.resync = weight_sync.reload
     log.info(
         "ray engines placed",

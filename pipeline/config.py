@@ -364,6 +364,12 @@ class ClusterConfig(_Model):
     (so > 0 needs ``roles.generate.max_retries`` and ``roles.param_update.max_retries`` >= 1; a
     reward batch is redone if ``roles.reward.max_retries`` >= 1, else the run stops). The trainer
     and reference actors are never restarted: their state would be lost."""
+    weight_transport: Literal["object_store", "dist"] = "object_store"
+    """How weights reach the rollout actors: ``object_store`` (each bucket put once in Ray's
+    object store as a numpy view, read by every actor) or ``dist`` (a torch.distributed gloo
+    group of the trainer and the rollout actors; the trainer broadcasts each bucket). A gloo
+    group cannot take a restarted rank back, so ``dist`` needs ``max_actor_restarts: 0``."""
+
 
     @model_validator(mode="after")
     def _one_placement(self) -> ClusterConfig:
@@ -461,6 +467,11 @@ class TandemConfig(_Model):
             raise ValueError("cluster.backend=ray runs the torch engines as actors: needs engines.type=torch")
         if self.engines.train_world_size != 1:
             raise ValueError("cluster.backend=ray: engines.train_world_size must be 1 (the trainer is one actor)")
+        if cluster.max_actor_restarts > 0 and cluster.weight_transport == "dist":
+            raise ValueError(
+                "cluster.weight_transport=dist needs cluster.max_actor_restarts=0: "
+                "a gloo group cannot take a restarted rank back"
+            )
         if cluster.max_actor_restarts > 0:
             short = [r for r in ("generate", "param_update") if self.role(r).max_retries < 1]
             if short:

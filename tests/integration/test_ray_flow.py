@@ -115,9 +115,11 @@ class Intervals:
 def test_roles_on_shared_devices_take_turns_and_split_generation_over_two_actors(
     ray_cluster: Any, tmp_path: Path
 ) -> None:
+    # Weights go by gloo broadcast here (the other tests use the object store).
     cfg = ray_config(
         tmp_path,
         "cluster.device_mapping={train: [0, 1], generate: [0, 1]}",
+        "cluster.weight_transport=dist",
         "run.max_steps=3",
         "train.prompts_per_step=4",
         "rollout.samples_per_prompt=4",
@@ -131,6 +133,8 @@ def test_roles_on_shared_devices_take_turns_and_split_generation_over_two_actors
         components.close()
     assert result.ledger["balanced"] and len(result.steps) == 3
     assert [a.requests > 0 for a in components.rollout.actors] == [True, True]
+    last = result.syncs[-1]
+    assert last.metrics["loaded_version/rollout-0"] == last.metrics["loaded_version/rollout-1"] == last.version >= 2
     assert intervals.generate and intervals.train
     for g0, g1 in intervals.generate:
         for t0, t1 in intervals.train:
@@ -180,3 +184,34 @@ def test_a_killed_rollout_actor_is_replaced_and_every_prompt_is_trained_exactly_
     # Samples the dead actor had not delivered were generated again, never delivered twice.
     assert len(delivered) == len(set(delivered))
     assert {(g, i) for g in trained for i in range(cfg.rollout.samples_per_prompt)} <= set(delivered)
+
+
+def test_past_the_restart_bound_the_run_stops_naming_the_actor_and_removes_every_actor(
+    ray_cluster: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import pipeline.flow
+
+    cfg = ray_config(
+        tmp_path, "run.max_steps=3", "train.prompts_per_step=4", "rollout.samples_per_prompt=4",
+        "observability.write_run_dir=false",
+    )
+    built: list[Any] = []
+
+    def build(config: TandemConfig) -> Any:
+        components = build_components(config)
+        inner = components.rollout.generate
+
+        async def generate(requests: Sequence[GenerationRequest]) -> AsyncIterator[Sample]:
+            async for sample in inner(requests):
+                ray.kill(components.rollout.actors[0].handle, no_restart=False)  # no restarts allowed
+                yield sample
+
+        components.rollout.generate = generate
+        built.append(components)
+        return components
+
+    monkeypatch.setattr(pipeline.flow, "build_components", build)
+    with pytest.raises(Exception, match=r"actor 'rollout-0'") as failure:
+        asyncio.run(AsyncTrainingFlow(cfg).run())
+    assert "'generate'" in str(failure.value) or "'param_update'" in str(failure.value)
+    assert_closed(built[0])  # the flow built them, so the flow removed them

@@ -100,12 +100,15 @@ def test_bad_placements_fail_before_anything_starts(cluster: dict[str, Any], mes
         ray_config(cluster=cluster)
 
 
-def test_ray_needs_the_torch_engines_and_restarts_need_role_retries() -> None:
+def test_ray_needs_the_torch_engines_and_restarts_need_role_retries_and_the_object_store() -> None:
     with pytest.raises(ConfigError, match="needs engines.type=torch"):
         validate_config({"cluster": {"backend": "ray"}})
     with pytest.raises(ConfigError, match="set roles.generate.max_retries >= 1"):
         ray_config(cluster={"max_actor_restarts": 1})
     with pytest.raises(ConfigError, match="set roles.param_update.max_retries >= 1"):
         ray_config(cluster={"max_actor_restarts": 1}, roles={"generate": {"max_retries": 2}})
-    ok = ray_config(cluster={"max_actor_restarts": 1}, roles={r: {"max_retries": 2} for r in ("generate", "param_update")})
+    retries = {r: {"max_retries": 2} for r in ("generate", "param_update")}
+    ok = ray_config(cluster={"max_actor_restarts": 1}, roles=retries)
     assert ok.cluster.max_actor_restarts == 1
+    with pytest.raises(ConfigError, match="a gloo group cannot take a restarted rank back"):
+        ray_config(cluster={"max_actor_restarts": 1, "weight_transport": "dist"}, roles=retries)
