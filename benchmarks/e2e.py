@@ -14,10 +14,15 @@ over the last quarter of steps), and the ideal speedup of that run's own stage t
 of the measured phases would give over running them back to back. Prints a table and writes
 ``benchmarks/results/e2e.json``.
 
-    python benchmarks/e2e.py [--steps 60] [--config configs/default.yaml] [key=value ...]
+``--backend ray`` runs every mode twice, in process and with the engines as Ray actors on a
+local cluster of this machine's cores (default placement: training on one half of the slots,
+generation on the other), adds the per-step overhead of Ray over the in-process run of the
+same mode, and writes ``benchmarks/results/e2e_ray.json``.
+
+    python benchmarks/e2e.py [--steps 60] [--backend local|ray] [--config configs/default.yaml] [key=value ...]
 """
 
-from __future__ import annotations
+from __future__ import annotations  # noqa: I001 (_bootstrap must come first)
 
 import _bootstrap  # noqa: F401  (first: imports resolve to the project)
 import argparse
@@ -37,10 +42,15 @@ from rich.table import Table
 
 from pipeline import AsyncTrainingFlow, FlowResult, load_config
 
-RESULTS = Path(__file__).parent / "results" / "e2e.json"
+RESULTS = {"local": Path(__file__).parent / "results" / "e2e.json", "ray": Path(__file__).parent / "results" / "e2e_ray.json"}
 MODES = {"sync": 0, "k1": 1, "k2": 2}
-# The synchronous schedules tried for the baseline: (label, thread overrides).
-SYNC_BUDGETS = [("all cores per phase", []), ("one core per phase", ["engines.generation_threads=1", "engines.train_threads=1"])]
+CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+# The synchronous schedules tried for the baseline: (label, thread overrides). Explicit, since a
+# Ray actor's default budget is its slots (one core), not the k = 0 default of all cores.
+SYNC_BUDGETS = [
+    ("all cores per phase", [f"engines.generation_threads={CORES}", f"engines.train_threads={CORES}"]),
+    ("one core per phase", ["engines.generation_threads=1", "engines.train_threads=1"]),
+]
 
 
 def run_mode(config_path: str, k: int, steps: int, overrides: list[str]) -> tuple[FlowResult, float]:
@@ -84,21 +94,15 @@ def row(mode: str, result: FlowResult, wall_s: float) -> dict[str, Any]:
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--config", default=str(Path(__file__).parent.parent / "configs" / "default.yaml"))
-    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
-    parser.add_argument("overrides", nargs="*", help="dotted.key=value applied to every mode (after --)")
-    args = parser.parse_args()
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
-
+def run_modes(args: argparse.Namespace, backend: str) -> list[dict[str, Any]]:
+    """One row per mode on ``backend``; ``sync`` is the faster of its thread budgets."""
+    overrides = [*args.overrides, f"cluster.backend={backend}"]
     rows = []
     for mode in args.modes:
         if mode == "sync":
             tried = []
             for label, budget in SYNC_BUDGETS:
-                result, wall = run_mode(args.config, 0, args.steps, [*args.overrides, *budget])
+                result, wall = run_mode(args.config, 0, args.steps, [*overrides, *budget])
                 tried.append({**row("sync", result, wall), "threads": label})
             best = max(tried, key=lambda r: r["samples_per_s"])
             best["other_sync_schedules"] = [
@@ -106,36 +110,67 @@ def main() -> None:
             ]
             rows.append(best)
         else:
-            result, wall = run_mode(args.config, MODES[mode], args.steps, args.overrides)
+            result, wall = run_mode(args.config, MODES[mode], args.steps, overrides)
             rows.append({**row(mode, result, wall), "threads": "split between phases"})
-    by_mode = {r["mode"]: r for r in rows}
-    sync = by_mode.get("sync")
+    sync = next((r for r in rows if r["mode"] == "sync"), None)
     for r in rows:
+        r["backend"] = backend
         r["speedup_vs_sync"] = r["samples_per_s"] / sync["samples_per_s"] if sync else None
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--config", default=str(Path(__file__).parent.parent / "configs" / "default.yaml"))
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    parser.add_argument("--backend", default="local", choices=["local", "ray"])
+    parser.add_argument("overrides", nargs="*", help="dotted.key=value applied to every mode (after --)")
+    args = parser.parse_args()
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+
+    rows = run_modes(args, "local")
+    if args.backend == "ray":
+        import ray
+
+        # One cluster for every mode: each run's backend joins it instead of starting its own.
+        ray.init(num_cpus=CORES, include_dashboard=False, log_to_driver=False)
+        try:
+            remote = run_modes(args, "ray")
+        finally:
+            ray.shutdown()
+        local_step = {r["mode"]: r["step_time_s"] for r in rows}
+        for r in remote:
+            r["ray_overhead_s_per_step"] = r["step_time_s"] - local_step[r["mode"]]
+        rows += remote
+    by_mode = {r["mode"]: r for r in rows if r["backend"] == args.backend}
+    sync = by_mode.get("sync")
 
     table = Table(title=f"End to end: default job, {args.steps} steps per mode, {os.cpu_count()} cores")
-    for col in ("mode", "threads", "samples/s", "tokens/s", "s/step", "vs sync", "ideal", "reward 1st 1/4",
-                "reward at equal samples"):
+    for col in ("backend", "mode", "threads", "samples/s", "tokens/s", "s/step", "vs sync", "ideal",
+                "reward 1st 1/4", "reward at equal samples", "Ray overhead s/step"):
         table.add_column(col, justify="right")
     for r in rows:
         speedup = "—" if r["speedup_vs_sync"] is None else f"{r['speedup_vs_sync']:.2f}x"
-        table.add_row(r["mode"], r["threads"], f"{r['samples_per_s']:.1f}", f"{r['tokens_per_s']:.0f}",
+        overhead = f"{r['ray_overhead_s_per_step']:+.3f}" if "ray_overhead_s_per_step" in r else ""
+        table.add_row(r["backend"], r["mode"], r["threads"], f"{r['samples_per_s']:.1f}", f"{r['tokens_per_s']:.0f}",
                       f"{r['step_time_s']:.2f}", speedup, f"{r['ideal_speedup']:.2f}x",
-                      f"{r['reward_first_quarter']:.3f}", f"{r['reward_at_equal_samples']:.3f}")
+                      f"{r['reward_first_quarter']:.3f}", f"{r['reward_at_equal_samples']:.3f}", overhead)
         for other in r.get("other_sync_schedules", []):
-            table.add_row("(sync)", other["threads"], f"{other['samples_per_s']:.1f}", "", "", "", "", "",
-                          f"{other['reward_at_equal_samples']:.3f}")
-    Console(width=150).print(table)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+            table.add_row("", "(sync)", other["threads"], f"{other['samples_per_s']:.1f}", "", "", "", "", "",
+                          f"{other['reward_at_equal_samples']:.3f}", "")
+    Console(width=170).print(table)
+    results = RESULTS[args.backend]
+    results.parent.mkdir(parents=True, exist_ok=True)
     doc = {
         "rows": rows,
         "speedup_k1_vs_sync": by_mode["k1"]["speedup_vs_sync"] if sync and "k1" in by_mode else None,
         "speedup_k2_vs_sync": by_mode["k2"]["speedup_vs_sync"] if sync and "k2" in by_mode else None,
-        "settings": {"steps": args.steps, "config": args.config, "overrides": args.overrides},
+        "settings": {"steps": args.steps, "config": args.config, "overrides": args.overrides, "backend": args.backend},
         "machine": {"cores": os.cpu_count(), "python": platform.python_version(), "machine": platform.machine()},
     }
-    RESULTS.write_text(json.dumps(doc, indent=2))
-    print(f"wrote {RESULTS}")
+    results.write_text(json.dumps(doc, indent=2))
+    print(f"wrote {results}")
 
 
 if __name__ == "__main__":
