@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import json
 import math
 import random
 from collections import deque
 from collections.abc import AsyncIterator, Iterator, Sequence
+from pathlib import Path
 
 from engines.protocols import GenerationRequest, RewardResult, SamplingParams, SyncReport
 from pipeline.components import Components, SourcePrompt
@@ -185,6 +187,13 @@ class FakeTrainEngine:
         await _spend(self._step_latency())
         self._version += 1
         return {"loss": 0.0, "groups": float(len(groups))}
+
+    async def save_state(self, folder: Path) -> None:
+        """The fake has no weights: its state is its version (a few bytes, written in place)."""
+        (folder / "fake_trainer.json").write_text(json.dumps({"version": self._version}))
+
+    async def load_state(self, folder: Path) -> None:
+        self._version = json.loads((folder / "fake_trainer.json").read_text())["version"]
 
 
 class FakeReferenceEngine:

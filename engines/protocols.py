@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 from pipeline.records import RolloutGroup, Sample
@@ -73,6 +74,15 @@ class TrainEngine(LogProbEngine, Protocol):
 
     async def train_step(self, groups: Sequence[RolloutGroup]) -> dict[str, float]:
         """Run one optimizer step on these groups and return its metrics."""
+        ...
+
+    async def save_state(self, folder: Path) -> None:
+        """Write everything a resume needs (weights, optimizer, schedule, version, RNG) as files
+        into the existing ``folder``, after queued work; the checkpoint manifests them."""
+        ...
+
+    async def load_state(self, folder: Path) -> None:
+        """Restore what ``save_state`` wrote into ``folder``; ``version`` is then the saved one."""
         ...
 
 

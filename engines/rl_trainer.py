@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from pathlib import Path
 
 from algorithms import LossConfig, compute_advantages, compute_policy_loss
 from engines.torch_train import TorchTrainEngine
@@ -71,3 +72,9 @@ class RLTrainer:
     async def train_step(self, groups: Sequence[RolloutGroup]) -> dict[str, float]:
         self._set_advantages(groups)
         return await self.engine.train_step(groups, self._loss_fn, loss_mean_over=self._mean_over)
+
+    async def save_state(self, folder: Path) -> None:
+        await self.engine.save_state(folder)
+
+    async def load_state(self, folder: Path) -> None:
+        await self.engine.load_state(folder)

@@ -37,6 +37,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Self, TypeVar
 
 import torch
@@ -51,13 +52,14 @@ from pipeline.records import RolloutGroup, Sample
 if TYPE_CHECKING:
     from engines.torch_ddp import DataParallelRanks
 
-__all__ = ["LossFn", "LossMeanOver", "StepTotals", "TorchLogProbEngine", "TorchTrainEngine"]
+__all__ = ["TRAINER_STATE_FILE", "LossFn", "LossMeanOver", "StepTotals", "TorchLogProbEngine", "TorchTrainEngine"]
 
 LossFn = Callable[[LossInputs], tuple[torch.Tensor, dict[str, float]]]
 # What a loss averages over inside a micro-batch: "tokens" for a token mean, "sequences" for
 # a mean over sequences (of per-sequence token means or sums).
 LossMeanOver = Literal["tokens", "sequences"]
 _T = TypeVar("_T")
+TRAINER_STATE_FILE = "trainer.pt"  # what save_state writes into a checkpoint folder
 
 
 @dataclass(frozen=True, slots=True)
@@ -308,6 +310,15 @@ class TorchTrainEngine(_TorchModelEngine):
         """
         self._executor.submit(self._restore_all, state).result()
 
+    async def save_state(self, folder: Path) -> None:
+        """Write ``trainer.pt`` into ``folder``: model, optimizer, schedule, version and torch's
+        CPU RNG state, on the worker thread after queued work (no step can interleave)."""
+        await self._on_worker(self._save, Path(folder) / TRAINER_STATE_FILE)
+
+    async def load_state(self, folder: Path) -> None:
+        """Restore what :meth:`save_state` wrote (every data-parallel rank too)."""
+        await self._on_worker(self._load, Path(folder) / TRAINER_STATE_FILE)
+
     def close(self) -> None:
         """Finish queued work, stop the worker thread, then stop the other ranks' processes."""
         super().close()
@@ -325,6 +336,23 @@ class TorchTrainEngine(_TorchModelEngine):
                 "version": self._version,
             }
         )
+
+    def _save(self, path: Path) -> None:
+        state = {
+            "model": self._model.state_dict(),
+            "optimizer": self._optimizer.state_dict(),
+            "scheduler": self._scheduler.state_dict(),
+            "version": self._version,
+            "rng": torch.get_rng_state(),
+        }
+        torch.save(state, path)
+
+    def _load(self, path: Path) -> None:
+        # CPU first: the RNG state must stay there; the weights and moments are copied to the
+        # device by load_state_dict.
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        self._restore_all(state)
+        torch.set_rng_state(state["rng"])
 
     def _restore(self, state: dict[str, Any]) -> None:
         with self._weights_lock:

@@ -70,6 +70,15 @@ class RunConfig(_Model):
     """Optimizer steps to train; the flow stops cleanly after the last one."""
     output_dir: Path = Path("runs")
     """Where run folders (metrics JSONL, trace, plots, checkpoints) are written."""
+    save_steps: int | None = Field(None, ge=1)
+    """Write a resumable checkpoint (``checkpoints/step_N`` in the run folder) every this many
+    optimizer steps; one is also written at the end and at a clean stop (Ctrl-C). None: only those."""
+    keep_checkpoints: int = Field(2, ge=1)
+    """Resumable checkpoints kept; older ones are removed once a newer one is complete."""
+    resume: bool | Path = False
+    """``true``: continue from the newest intact checkpoint in the run folder; a path: from that
+    checkpoint (or the newest intact one in that folder). Same version, data position, in-flight
+    prompts generated again. ``max_steps`` counts from the start of the original run."""
 
 
 class StalenessConfig(_Model):
@@ -479,6 +488,15 @@ class TandemConfig(_Model):
                     f"cluster.max_actor_restarts > 0 redoes a dead actor's work through the role's retries: "
                     f"set roles.{short[0]}.max_retries >= 1"
                 )
+
+    @model_validator(mode="after")
+    def _checkpoints_need_a_run_folder(self) -> TandemConfig:
+        if not self.observability.write_run_dir and (self.run.save_steps is not None or self.run.resume is not False):
+            raise ValueError(
+                "run.save_steps and run.resume write checkpoints into the run folder: "
+                "set observability.write_run_dir=true"
+            )
+        return self
 
     @property
     def max_concurrent(self) -> int:

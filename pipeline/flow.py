@@ -6,6 +6,12 @@ per state machine in a TaskGroup (the first failure cancels the rest and ``run()
 one :class:`StageError`, naming the stage and its prompts), and stops when the train role has
 done ``max_steps``: every admitted group has then been trained or dropped, so cancelling the
 remaining tasks loses nothing. No task outlives ``run()``.
+
+Checkpoints (``pipeline.checkpoint``): the train role writes one every ``run.save_steps``, the
+flow one at the end and one at a clean stop (cancellation, e.g. Ctrl-C), where the prompts in
+flight are saved to be generated again and recorded in this run's ledger as cancelled at
+shutdown. With ``run.resume`` the flow starts from a checkpoint: its version (clock and gate
+start there, so admission resumes within the bound), its data position and its ledger.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import structlog
 
 from engines.factory import build_components
 from pipeline.channel import BrokenChannel, ChannelStatistics, ReceiveChannel, SendChannel, open_channel
+from pipeline.checkpoint import Checkpointer, FlowState, trim_metrics
 from pipeline.components import Components
 from pipeline.config import TandemConfig
 from pipeline.history import RunHistory, StepRecord, SyncRecord
@@ -32,10 +39,13 @@ from pipeline.staleness import StalenessGate, VersionClock
 from pipeline.trace import TraceRecorder
 from state_machines.base import FlowServices, StageError, StateMachine
 from state_machines.registry import create_role_state_machine
+from state_machines.train import TrainStateMachine
 
 __all__ = ["AsyncTrainingFlow", "FlowResult", "RoleSummary"]
 
 log = structlog.get_logger("tandem")
+
+CANCELLED_AT_SHUTDOWN = "cancelled at shutdown"  # the drop reason of prompts in flight at a clean stop
 
 
 @dataclass(slots=True, frozen=True)
@@ -67,6 +77,7 @@ class FlowResult:
     roles: dict[str, RoleSummary]
     run_dir: Path | None = None
     metrics_port: int | None = None
+    resumed_from_version: int | None = None  # the checkpoint's version, when the run resumed
 
     @property
     def samples_per_s(self) -> float:
@@ -104,12 +115,19 @@ class AsyncTrainingFlow:
         loop = asyncio.get_running_loop()
         start = loop.time()
         run_dir = self._make_run_dir()
-        clock = VersionClock()
+        checkpoints = Checkpointer(cfg, run_dir, components.trainer) if run_dir is not None else None
+        resumed = await self._resume(checkpoints, components)
+        version = resumed.version if resumed is not None else 0
+        clock = VersionClock(trained=version, loaded=version)
         gate = StalenessGate(clock, cfg.staleness.k, cfg.train.prompts_per_step, cfg.run.max_steps, cfg.max_concurrent)
+        ledger = Ledger(gate)
+        if resumed is not None:
+            ledger.restore(resumed.trained, resumed.drops, resumed.next_prompt_id)
         services = FlowServices(
-            config=cfg, clock=clock, gate=gate, ledger=Ledger(gate), components=components,
+            config=cfg, clock=clock, gate=gate, ledger=ledger, components=components,
             trace=TraceRecorder(start, cfg.observability.trace_max_events, enabled=cfg.observability.trace),
-            history=RunHistory(run_dir / "metrics.jsonl" if run_dir else None),
+            history=RunHistory(run_dir / "metrics.jsonl" if run_dir else None, append=resumed is not None),
+            checkpoints=checkpoints, resumed=resumed,
         )
         self.machines = self._build_graph(services)
         metrics = FlowMetrics(self.machines, self.channels, clock, services.ledger, start)
@@ -119,10 +137,16 @@ class AsyncTrainingFlow:
         port = metrics.serve(cfg.observability.metrics_port) if cfg.observability.metrics_port is not None else None
         self.metrics_port = port
         log.info("flow started", stages=cfg.flow.stages, k=cfg.staleness.k, max_steps=cfg.run.max_steps, metrics_port=port)
+        cancelled = False
         try:
             await self._supervise()
+            if checkpoints is not None and checkpoints.last_version != clock.trained:
+                await checkpoints.save(clock.trained, ledger)
             if run_dir is not None and components.save_checkpoint is not None:
                 await components.save_checkpoint(run_dir / "checkpoint")
+        except asyncio.CancelledError:
+            cancelled = True
+            await self._stop(services)
         finally:
             metrics.close()
             self.metrics_port = None
@@ -135,8 +159,41 @@ class AsyncTrainingFlow:
         if run_dir is not None:
             (run_dir / "summary.json").write_text(json.dumps(self._summary(result), indent=2))
             plot_run(result.steps, run_dir / "progress.png")
+        if cancelled:
+            raise asyncio.CancelledError
         log.info("flow finished", steps=len(result.steps), wall_s=round(result.wall_s, 3), **result.ledger)
         return result
+
+    async def _resume(self, checkpoints: Checkpointer | None, components: Components) -> FlowState | None:
+        """Restore the checkpoint ``run.resume`` names, if any: the trainer's state, then the
+        rollout engines' weights (they start from the base model). Closes the components the
+        flow built if that fails (a missing or damaged checkpoint raises ``CheckpointError``)."""
+        path = checkpoints.resume_path() if checkpoints is not None else None
+        if checkpoints is None or path is None:
+            return None
+        try:
+            state = await checkpoints.restore(path)
+            if state.version > 0:
+                await components.weight_sync.sync(state.version)
+        except BaseException:
+            if self._given_components is None:
+                components.close()
+            raise
+        trim_metrics(checkpoints.root.parent / "metrics.jsonl", state.version)
+        return state
+
+    async def _stop(self, services: FlowServices) -> None:
+        """A clean stop (the flow was cancelled, e.g. Ctrl-C): checkpoint what is done, with the
+        prompts in flight (a resume generates them again), then record those prompts in this
+        run's ledger as cancelled at shutdown. Every role has stopped, and the train role
+        finished the step it had begun, so the trainer holds exactly the trained version."""
+        if services.checkpoints is not None:
+            try:
+                await services.checkpoints.save(services.clock.trained, services.ledger)
+            except Exception:  # stopping anyway: the previous checkpoint stands
+                log.exception("checkpoint at shutdown failed; the previous one stands")
+        for prompt_id in services.ledger.in_flight_ids():
+            await services.ledger.drop(prompt_id, "flow", CANCELLED_AT_SHUTDOWN)
 
     def _make_run_dir(self) -> Path | None:
         if not self.config.observability.write_run_dir:
@@ -184,7 +241,16 @@ class AsyncTrainingFlow:
             async with asyncio.TaskGroup() as tasks:
                 running = {m.name: tasks.create_task(m.run(), name=f"tandem:{m.name}") for m in self.machines}
                 # asyncio.wait, not await: a failure must surface once, from the group itself.
-                await asyncio.wait([running["train"]])
+                try:
+                    await asyncio.wait([running["train"]])
+                except asyncio.CancelledError:
+                    # Cancelled from outside, not by a failed stage (the group cancels the
+                    # roles only after this): a clean stop, so the train step in progress ends.
+                    if not any(t.done() and not t.cancelled() and t.exception() for t in running.values()):
+                        for machine in self.machines:
+                            if isinstance(machine, TrainStateMachine):
+                                machine.finish_step_on_stop = True
+                    raise
                 for task in running.values():
                     task.cancel()
         except BaseExceptionGroup as group:
@@ -210,6 +276,7 @@ class AsyncTrainingFlow:
             },
             run_dir=run_dir,
             metrics_port=port,
+            resumed_from_version=services.resumed.version if services.resumed is not None else None,
         )
 
     @staticmethod
@@ -225,6 +292,7 @@ class AsyncTrainingFlow:
             "reward_last": rewards[-1] if rewards else None,
             "staleness_counts": result.staleness_counts,
             "ledger": result.ledger,
+            "resumed_from_version": result.resumed_from_version,
             "roles_busy_fraction": {name: r.busy_fraction for name, r in result.roles.items()},
         }
 

@@ -49,12 +49,13 @@ class SyncRecord:
 class RunHistory:
     """Steps and syncs of one run, with listeners and an optional JSONL file."""
 
-    def __init__(self, jsonl_path: Path | None = None) -> None:
+    def __init__(self, jsonl_path: Path | None = None, append: bool = False) -> None:
         self.steps: list[StepRecord] = []
         self.syncs: list[SyncRecord] = []
         self.staleness_counts: Counter[int] = Counter()
         self._listeners: list[Callable[[StepRecord], None]] = []
-        self._jsonl = jsonl_path.open("w") if jsonl_path is not None else None
+        # append: a resumed run continues its file (``pipeline.checkpoint.trim_metrics``).
+        self._jsonl = jsonl_path.open("a" if append else "w") if jsonl_path is not None else None
 
     def on_step(self, listener: Callable[[StepRecord], None]) -> None:
         self._listeners.append(listener)

@@ -43,6 +43,7 @@ class Ledger:
         self.drops: list[DropRecord] = []
         self._dropped_ids: set[int] = set()
         self._drop_listeners: list[Callable[[int], Awaitable[None] | None]] = []
+        self.next_prompt_id = 0  # one past the highest prompt id ever admitted (the data position)
 
     def on_drop(self, listener: Callable[[int], Awaitable[None] | None]) -> None:
         """Call ``listener(prompt_id)`` whenever a group is dropped."""
@@ -53,6 +54,22 @@ class Ledger:
             raise LedgerError(f"prompt {prompt_id} admitted twice")
         self._in_flight[prompt_id] = step
         self.admitted += 1
+        self.next_prompt_id = max(self.next_prompt_id, prompt_id + 1)
+
+    def restore(self, trained: int, drops: list[DropRecord], next_prompt_id: int) -> None:
+        """Continue a resumed run's accounts: what it trained and dropped before. Its in-flight
+        prompts are not restored as in flight: they are admitted again when generated again."""
+        if self.admitted:
+            raise LedgerError("restore() on a ledger that has already admitted prompts")
+        self.trained = trained
+        self.drops = list(drops)
+        self._dropped_ids = {d.prompt_id for d in drops}
+        self.admitted = trained + len(drops)
+        self.next_prompt_id = next_prompt_id
+
+    def in_flight_ids(self) -> list[int]:
+        """Prompt ids admitted and neither trained nor dropped yet."""
+        return list(self._in_flight)
 
     def is_live(self, prompt_id: int) -> bool:
         return prompt_id in self._in_flight

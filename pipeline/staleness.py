@@ -111,7 +111,9 @@ class StalenessGate:
         self.max_steps = max_steps
         self.max_concurrent = max_concurrent
         self._live: dict[int, int] = {}  # step -> groups admitted and not dropped
-        self._frontier = 0  # lowest step that may still have a free slot
+        # Lowest step that may still have a free slot; steps below the trained version are done
+        # (a resumed run's clock starts at its checkpoint's version, so its admissions do too).
+        self._frontier = clock.trained
         self.in_flight = 0  # admitted, neither trained nor dropped
 
     def _open_step(self) -> int | None:

@@ -38,6 +38,7 @@ from pipeline.staleness import StalenessGate, StalenessViolation, VersionClock
 from pipeline.trace import TraceRecorder
 
 if TYPE_CHECKING:
+    from pipeline.checkpoint import Checkpointer, FlowState
     from pipeline.components import Components
 
 __all__ = ["FlowServices", "Stage", "StageError", "State", "StateMachine"]
@@ -92,6 +93,8 @@ class FlowServices:
     components: Components
     trace: TraceRecorder
     history: RunHistory
+    checkpoints: Checkpointer | None = None  # None: this run writes no resumable checkpoints
+    resumed: FlowState | None = None  # the checkpoint this run continues, if any
 
 
 def prompt_ids_of(items: Sequence[Any]) -> list[int]:

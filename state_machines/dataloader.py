@@ -3,6 +3,10 @@
 Each prompt gets its dataloader position as ``prompt_id`` (unique within a run, and the
 checkpointable data position). The source may be endless: the channel's capacity keeps the
 dataloader at most one channel ahead of generation, and the flow stops it at the end.
+
+A resumed run replays the source (deterministic for its seed) to the checkpoint's position:
+it emits first the prompts that were in flight at the checkpoint, with their own ids, then
+every prompt from the data position on, so no prompt is skipped and none is admitted twice.
 """
 
 from __future__ import annotations
@@ -21,7 +25,12 @@ class DataloaderStateMachine(StateMachine):
     async def main(self) -> None:
         n = self.config.rollout.samples_per_prompt
         batch: list[PromptGroup] = []
+        resumed = self.services.resumed
+        start, again = (resumed.next_prompt_id, set(resumed.in_flight)) if resumed else (0, set())
         for item in self.services.components.prompts(self.config.run.seed):
+            if self.position < start and self.position not in again:
+                self.position += 1  # trained or dropped before the checkpoint
+                continue
             self.set_state(State.RUNNING)
             batch.append(PromptGroup(self.position, item.prompt, item.prompt_ids, n, answer=item.answer))
             self.position += 1

@@ -4,13 +4,17 @@ Groups arrive in completion order; they are held by step, and step ``t`` runs on
 ``prompts_per_step`` groups assigned to it are in (a drop refills the step, see the gate).
 Before each step the staleness of every group is checked against the bound, a violation
 stops the run (it would mean the gate is wrong). After the step the trained version moves
-forward, which lets parameter sync and then admission move on. Holding at most ``k + 1``
-steps of groups, the buffer is bounded by the in-flight cap.
+forward, which lets parameter sync and then admission move on, and every ``run.save_steps``
+a checkpoint is written before the next step can begin. On a clean stop, a step once begun is
+finished and recorded first. Holding at most ``k + 1`` steps of groups, the buffer is bounded
+by the in-flight cap.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Coroutine
+from typing import Any
 
 from pipeline.history import StepRecord
 from pipeline.records import RolloutGroup
@@ -21,6 +25,8 @@ __all__ = ["TrainStateMachine"]
 
 class TrainStateMachine(StateMachine):
     role = "train"
+
+    finish_step_on_stop = False  # set by the flow when it stops cleanly (not on a stage failure)
 
     async def main(self) -> None:
         services = self.services
@@ -39,7 +45,7 @@ class TrainStateMachine(StateMachine):
             while step < self.config.run.max_steps and len(pending.get(step, ())) >= per_step:
                 # Prompt order, not arrival order: the same batch always gives the same update.
                 batch = sorted(pending.pop(step), key=lambda g: g.prompt_id)
-                if await self._train(step, batch):
+                if await self._finish_on_clean_stop(self._train(step, batch)):
                     step += 1
 
     async def _train(self, step: int, batch: list[RolloutGroup]) -> bool:
@@ -76,4 +82,25 @@ class TrainStateMachine(StateMachine):
                 train_metrics=dict(metrics),
             )
         )
+        if services.checkpoints is not None:
+            await services.checkpoints.after_step(version, services.ledger)
         return True
+
+    async def _finish_on_clean_stop(self, step: Coroutine[Any, Any, bool]) -> bool:
+        """Run a train step; on a clean stop, finish it before passing the cancellation on.
+
+        Once begun, a step runs to its end in the engine whatever the flow does; finishing its
+        bookkeeping too (ledger, version, history) keeps the checkpoint written at a clean stop
+        consistent: the trainer holds the clock's version, and the groups it trained count as
+        trained. When a stage failed instead, nothing is checkpointed: the step is abandoned.
+        """
+        task = asyncio.ensure_future(step)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if not self.finish_step_on_stop:
+                task.cancel()
+            await asyncio.wait([task])
+            if not task.cancelled() and task.exception() is not None:
+                raise task.exception() from None  # type: ignore[misc]
+            raise
