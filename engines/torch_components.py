@@ -33,6 +33,7 @@ from pipeline.config import ConfigError, TandemConfig, TorchEnginesConfig
 
 __all__ = [
     "build_torch_components",
+    "prompt_budget",
     "prompt_source",
     "reference_engine",
     "resolve_model_path",
@@ -168,6 +169,31 @@ def prompt_source(config: TandemConfig, tokenizer: Any) -> Any:
     return file_prompts(config.task.data_path, tokenizer) if config.task.data_path else task_prompts(tokenizer)
 
 
+def prompt_budget(config: TandemConfig, tokenizer: Any) -> int:
+    """Tokens a prompt may have: the model's context minus ``rollout.max_new_tokens`` (longer
+    prompts are dropped at admission). Raises ``ConfigError`` when the tokenizer has ids the
+    model has no embedding for, or when ``max_new_tokens`` leaves no room for a prompt."""
+    from transformers import AutoConfig
+
+    spec = config.engines
+    assert isinstance(spec, TorchEnginesConfig)
+    path = resolve_model_path(spec.model_path)
+    model = AutoConfig.from_pretrained(str(path))
+    if len(tokenizer) > model.vocab_size:
+        raise ConfigError(
+            f"engines.model_path {path}: the tokenizer has {len(tokenizer)} tokens but the model's "
+            f"vocab_size is {model.vocab_size} (ids from {model.vocab_size} on have no embedding): "
+            "the tokenizer does not belong to this model"
+        )
+    budget = model.max_position_embeddings - config.rollout.max_new_tokens
+    if budget < 1:
+        raise ConfigError(
+            f"rollout.max_new_tokens={config.rollout.max_new_tokens} leaves no room for a prompt in the "
+            f"model's context of {model.max_position_embeddings} tokens ({path})"
+        )
+    return budget
+
+
 def save_checkpoint(engine: TorchTrainEngine, tokenizer: Any, folder: Path) -> None:
     """Write the trainer's weights (loadable by ``from_pretrained``), tokenizer and optimizer state."""
     state = engine.state_dict()
@@ -186,6 +212,7 @@ def build_torch_components(config: TandemConfig) -> Components:
     assert isinstance(spec, TorchEnginesConfig)
     gen_threads, train_threads = thread_budgets(config)
     tokenizer = load_tokenizer(str(resolve_model_path(spec.model_path)))
+    max_prompt_tokens = prompt_budget(config, tokenizer)  # before any engine starts: bad input fails fast
     rollout = rollout_engine(config, gen_threads)
     engine = train_engine(config, train_threads)
     reference = reference_engine(config, train_threads) if "ref_logp" in config.flow.stages else None
@@ -211,4 +238,5 @@ def build_torch_components(config: TandemConfig) -> Components:
         reference=reference,
         close_callbacks=closers,
         save_checkpoint=checkpoint,
+        max_prompt_tokens=max_prompt_tokens,
     )

@@ -44,6 +44,7 @@ class Components:
     reference: LogProbEngine | None = None
     close_callbacks: list[Callable[[], None]] = field(default_factory=list)
     save_checkpoint: Callable[[Path], Awaitable[None]] | None = None  # final weights, loadable by from_pretrained
+    max_prompt_tokens: int | None = None  # longer prompts are dropped at admission (recorded); None: no limit
 
     def close(self) -> None:
         """Release engine threads and resources; safe to call once the flow has stopped."""

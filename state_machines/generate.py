@@ -7,6 +7,8 @@ batch stays full. Finished samples go downstream as soon as they finish, each wi
 
 Every admitted slot is launched before the role blocks on the gate again (otherwise k = 0 would
 deadlock: the step's last groups would wait behind the gate that their own training opens).
+A group whose prompt is longer than the components' ``max_prompt_tokens`` (the model's context
+minus ``max_new_tokens``) is dropped at admission with the lengths as reason; its slot refills.
 A failed engine call is retried for the samples it had not yet delivered, so a retry never
 duplicates a sample. State: RUNNING while any call is in flight, else PAUSED while held by the
 gate, else WAITING_INPUT.
@@ -75,7 +77,8 @@ class GenerateStateMachine(StateMachine):
                     self._held_by_gate = False
                     while pending and (slot := gate.try_admit()) is not None:
                         admitted.append(self._admit(pending.popleft(), slot))
-                    calls.create_task(self._run_call(admitted))
+                    if admitted := await self._drop_over_budget(admitted):
+                        calls.create_task(self._run_call(admitted))
         assert self.outbox is not None
         self.outbox.close()
 
@@ -85,6 +88,21 @@ class GenerateStateMachine(StateMachine):
         self.services.ledger.admit(group.prompt_id, admission.step)
         self.version = admission.version
         return group
+
+    async def _drop_over_budget(self, groups: list[PromptGroup]) -> list[PromptGroup]:
+        """Drop the groups whose prompt leaves the model no room for ``max_new_tokens`` (the
+        drop is recorded with the lengths, and the slot refilled); return the others."""
+        budget = self.services.components.max_prompt_tokens
+        if budget is None:
+            return groups
+        for group in groups:
+            if len(group.prompt_ids) > budget:
+                reason = (
+                    f"prompt of {len(group.prompt_ids)} tokens is over the budget of {budget} "
+                    "(the model's context minus rollout.max_new_tokens)"
+                )
+                await self.drop([group], reason)
+        return [g for g in groups if len(g.prompt_ids) <= budget]
 
     async def _run_call(self, groups: list[PromptGroup]) -> None:
         self._calls_in_flight += 1

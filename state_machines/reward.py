@@ -2,14 +2,16 @@
 
 The reward implementation must not block the loop (rule-based verifiers run in a process
 pool). A verifier that fails on a sample scores it as failed with the reason recorded in
-``Sample.reward_info``; the run continues. A reward that is not a finite number is such a
-failure too, never a silent NaN in the loss.
+``Sample.reward_info``; the run continues. A reward that is not a finite number (NaN, a bool,
+a string), or a result that is not a ``RewardResult``, is such a failure too, never a silent
+NaN in the loss.
 """
 
 from __future__ import annotations
 
 import math
 
+from engines.protocols import RewardResult
 from pipeline.records import RolloutGroup
 from state_machines.base import Stage
 
@@ -26,8 +28,11 @@ class RewardStateMachine(Stage[RolloutGroup, RolloutGroup]):
         if len(results) != len(samples):
             raise ValueError(f"reward returned {len(results)} results for {len(samples)} samples")
         for sample, result in zip(samples, results, strict=True):
+            if not isinstance(result, RewardResult):
+                sample.reward, sample.reward_info = 0.0, f"invalid reward {result!r}: not a RewardResult"
+                continue
             value = result.reward
-            if not isinstance(value, (int, float)) or not math.isfinite(value):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 sample.reward, sample.reward_info = 0.0, f"invalid reward {value!r}"
             else:
                 sample.reward = float(value)

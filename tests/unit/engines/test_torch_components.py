@@ -1,15 +1,19 @@
-"""Building the torch bundle: data files, bad input named, thread budgets that never oversubscribe."""
+"""Building the torch bundle: data files, bad input named (rows, a tokenizer that is not the
+model's, a response budget that fills the context), thread budgets that never oversubscribe."""
 
 from __future__ import annotations
 
 import json
+import shutil
 from itertools import islice
 from pathlib import Path
 
 import pytest
 
-from engines.torch_components import file_prompts, thread_budgets
-from pipeline.config import ConfigError, validate_config
+from engines.tokenizer import load_tokenizer
+from engines.torch_components import build_torch_components, file_prompts, prompt_budget, thread_budgets
+from pipeline.config import ConfigError, TandemConfig, validate_config
+from tasks.arithmetic import MODEL_DIR
 
 
 class CharTokenizer:
@@ -64,3 +68,37 @@ def test_thread_budgets_split_the_cores_only_when_phases_overlap(
     cfg = validate_config({"engines": {"type": "torch", "train_world_size": ranks}, "staleness": {"max_staleness": k},
                            "flow": {"stages": ["dataloader", "generate", "rollout", "logp", "reward", "train"]}})
     assert thread_budgets(cfg, cores=cores) == expected
+
+
+def test_a_data_file_that_is_not_json_lines_is_named(tmp_path: Path) -> None:
+    path = tmp_path / "broken.jsonl"
+    path.write_text('{"prompt": "1+1=\\n", "answer": "2"}\n{"prompt": "2+2=\\n", "ans\n')
+    with pytest.raises(ConfigError, match=f"task.data_path: cannot read {path}"):
+        file_prompts(path, CharTokenizer())
+
+
+def torch_config(model_path: Path, **rollout: object) -> TandemConfig:
+    return validate_config({
+        "engines": {"type": "torch", "model_path": str(model_path)},
+        "flow": {"stages": ["dataloader", "generate", "rollout", "logp", "reward", "train"]},
+        "rollout": rollout,
+    })
+
+
+def test_the_prompt_budget_is_the_models_context_minus_max_new_tokens() -> None:
+    tokenizer = load_tokenizer(MODEL_DIR)
+    context = json.loads((MODEL_DIR / "config.json").read_text())["max_position_embeddings"]
+    assert prompt_budget(torch_config(MODEL_DIR, max_new_tokens=83), tokenizer) == context - 83
+    with pytest.raises(ConfigError, match=f"rollout.max_new_tokens={context} leaves no room for a prompt"):
+        prompt_budget(torch_config(MODEL_DIR, max_new_tokens=context), tokenizer)
+
+
+def test_a_tokenizer_that_does_not_belong_to_the_model_is_named(tmp_path: Path) -> None:
+    model = tmp_path / "model"
+    shutil.copytree(MODEL_DIR, model)
+    config = json.loads((model / "config.json").read_text())
+    config["vocab_size"] = 10  # a model whose embedding is smaller than the tokenizer's vocabulary
+    (model / "config.json").write_text(json.dumps(config))
+    tokenizer = load_tokenizer(model)
+    with pytest.raises(ConfigError, match=rf"the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is 10"):
+        build_torch_components(torch_config(model))

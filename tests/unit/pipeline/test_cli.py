@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -116,3 +117,38 @@ def test_ctrl_c_stops_cleanly_with_exit_code_130() -> None:
     assert proc.returncode == 130
     assert "interrupted" in err and "Traceback" not in err
     assert "done:" not in out
+
+
+def test_ctrl_c_checkpoints_the_run_and_resume_continues_it(tmp_path: Path) -> None:
+    run = [f"run.output_dir={tmp_path}", "run.name=stopped", "observability.metrics_port=null"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pipeline.cli", "run", "sim_k1", "run.max_steps=100000", *run, "--no-progress"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    assert proc.stderr is not None
+    try:
+        while "flow started" not in (line := proc.stderr.readline()):
+            assert line, "the CLI exited before the flow started"
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130
+    [checkpoint] = (tmp_path / "stopped" / "checkpoints").iterdir()
+    state = json.loads((checkpoint / "flow.json").read_text())
+    ledger = json.loads((tmp_path / "stopped" / "summary.json").read_text())["ledger"]
+    assert ledger["dropped_by_stage"].get("flow", 0) == len(state["in_flight"])  # cancelled at shutdown
+
+    steps = state["version"] + 2
+    assert main(["run", "sim_k1", *run, "run.resume=true", f"run.max_steps={steps}", "--no-progress"]) == 0
+    summary = json.loads((tmp_path / "stopped" / "summary.json").read_text())
+    assert summary["resumed_from_version"] == state["version"] and summary["final_version"] == steps
+    assert summary["ledger"]["trained"] == steps * 16
+
+
+def test_resume_from_a_missing_checkpoint_exits_2_naming_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    missing = tmp_path / "no" / "such" / "checkpoint"
+    code = main(["run", "sim_k1", f"run.output_dir={tmp_path}", f"run.resume={missing}", "--no-progress"])
+    assert code == 2
+    assert f"run.resume: no checkpoint at {missing}" in capsys.readouterr().err
