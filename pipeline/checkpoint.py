@@ -174,10 +174,12 @@ def _step_folders(root: Path) -> list[Path]:
 
 def find_checkpoint(path: Path) -> Path:
     """The checkpoint to resume from: ``path`` itself if it is one, else the newest intact one
-    in ``path`` (a ``checkpoints`` folder). Torn ones are skipped with a warning; raises
-    :class:`CheckpointError` naming ``path`` when nothing usable is there."""
+    in ``path`` (a ``checkpoints`` folder, or a run folder holding one). Torn ones are skipped
+    with a warning; raises :class:`CheckpointError` naming ``path`` when nothing usable is there."""
     if not path.exists():
         raise CheckpointError(f"run.resume: no checkpoint at {path} (no such file or folder)")
+    if (path / CHECKPOINTS_DIR).is_dir():
+        path = path / CHECKPOINTS_DIR
     if (path / MANIFEST).exists() or path.name.startswith(_PREFIX):
         problem = verify_checkpoint(path)
         if problem is not None:

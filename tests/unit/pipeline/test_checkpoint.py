@@ -157,3 +157,4 @@ def test_resume_from_another_runs_checkpoint_path(tmp_path: Path) -> None:
     result: FlowResult = run_virtual(AsyncTrainingFlow(config(tmp_path, "b", max_steps=3, resume=str(source))).run())
     assert result.resumed_from_version == 2 and [s.step for s in result.steps] == [2]
     assert checkpoints(tmp_path, "b") == ["step_00000003"]
+    assert find_checkpoint(tmp_path / "b") == tmp_path / "b" / "checkpoints" / "step_00000003"  # a run folder will do
