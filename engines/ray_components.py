@@ -120,6 +120,10 @@ class RayRolloutEngine:
         """The newest version a weight sync reported loaded into every actor."""
         return self._version
 
+    def loaded(self, version: int) -> None:
+        """A weight sync loaded ``version`` into every actor."""
+        self._version = max(self._version, version)
+
     def generate(self, requests: Sequence[GenerationRequest]) -> AsyncIterator[Sample]:
         return self._generate(self._split(requests))
 
@@ -271,14 +275,14 @@ class RayWeightSync:
             # before the role's retry asks again. The sync's own error is the one to report.
             await asyncio.gather(self.rollout.recover_all(), return_exceptions=True)
             raise
-        self.rollout._version = max(self.rollout._version, report.version)
+        self.rollout.loaded(report.version)
         return report
 
     async def reload(self) -> None:
         """Load the trainer's current weights into every rollout actor (after a restart)."""
         await self._connected()
         report: SyncReport = await self.trainer.call(self.trainer.handle.sync.remote(0))
-        self.rollout._version = max(self.rollout._version, report.version)
+        self.rollout.loaded(report.version)
 
 
 @dataclass(slots=True)
@@ -336,6 +340,7 @@ def build_ray_components(config: TandemConfig) -> Components:
     """
     from engines.tokenizer import load_tokenizer
     from engines.torch_components import (
+        prompt_budget,
         prompt_source,
         resolve_model_path,
         sampling_params,
@@ -344,6 +349,7 @@ def build_ray_components(config: TandemConfig) -> Components:
     spec = config.engines
     assert isinstance(spec, TorchEnginesConfig)
     tokenizer = load_tokenizer(str(resolve_model_path(spec.model_path)))
+    max_prompt_tokens = prompt_budget(config, tokenizer)  # before any actor starts: bad input fails fast
     cluster = _Cluster(started_ray=connect(config))
     try:
         plan = cluster_plan(config)
@@ -370,7 +376,6 @@ def build_ray_components(config: TandemConfig) -> Components:
             actors.setdefault(placement.role, []).append(ref)
             cluster.actors.append(ref)
         # The verifier is cheap: it reserves no slot.
-        restarts = config.cluster.max_actor_restarts
         reward_actor = RewardActor.options(num_cpus=0, max_restarts=restarts).remote(config)
         reward = ActorRef("reward", "reward", reward_actor, restartable=restarts > 0)
         cluster.actors.append(reward)
@@ -401,4 +406,5 @@ def build_ray_components(config: TandemConfig) -> Components:
         reference=RayLogProbEngine(actors["ref_logp"][0]) if "ref_logp" in actors else None,
         close_callbacks=[cluster.close],
         save_checkpoint=checkpoint,
+        max_prompt_tokens=max_prompt_tokens,
     )

@@ -12,11 +12,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from engines.factory import build_components
 from engines.protocols import GenerationRequest
-from pipeline import AsyncTrainingFlow, load_config
-from pipeline.config import TandemConfig
+from pipeline import AsyncTrainingFlow
+from pipeline.config import TandemConfig, apply_overrides, validate_config
 from pipeline.records import Sample
 from tasks.arithmetic import MODEL_DIR, generate_problems
 
@@ -34,17 +35,19 @@ RISE = 0.05
 
 
 def ray_config(tmp_path: Path, *overrides: str) -> TandemConfig:
-    return load_config(
-        "configs/default.yaml",
-        [
-            "cluster.backend=ray",
-            "engines.generation_threads=1",
-            "engines.train_threads=1",
-            "observability.metrics_port=null",
-            f"run.output_dir={tmp_path}",
-            *overrides,
-        ],
-    )
+    """The default job on Ray, one thread per actor. Without its held-out validation: that role
+    generates on the rollout actors too, and these tests kill them under the training roles."""
+    data = yaml.safe_load(Path("configs/default.yaml").read_text())
+    data.pop("validation", None)
+    settings = [
+        "cluster.backend=ray",
+        "engines.generation_threads=1",
+        "engines.train_threads=1",
+        "observability.metrics_port=null",
+        f"run.output_dir={tmp_path}",
+        *overrides,
+    ]
+    return validate_config(apply_overrides(data, settings), "configs/default.yaml")
 
 
 def pids(components: Any) -> dict[str, int]:

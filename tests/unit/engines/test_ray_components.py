@@ -25,10 +25,12 @@ ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers canno
 
 @ray.remote
 class FakeRolloutActor:
-    """A rollout actor's generate/ready interface over the fake engine (0.2 s a sequence)."""
+    """A rollout actor's generate/ready interface over the fake engine: sequences take 0.05 to
+    0.95 s, so a kill after the first one lands while the others are still decoding."""
 
     def __init__(self) -> None:
-        self.engine = FakeRolloutEngine(64, LatencySampler(LatencySpec(mean_s=0.2), 0), 4)
+        latency = LatencySpec(type="uniform", mean_s=0.5, sigma=0.9)
+        self.engine = FakeRolloutEngine(64, LatencySampler(latency, 0), 4)
 
     async def ready(self) -> tuple[int, int]:
         return os.getpid(), self.engine.version
@@ -92,7 +94,7 @@ def test_a_restarted_actor_is_reloaded_before_the_call_fails_and_then_serves_aga
         reloads.append(1)
 
     engine.resync = resync
-    engine._version = 3  # the flow has loaded version 3; the restarted actor holds version 0
+    engine.loaded(3)  # the flow has loaded version 3; the restarted actor holds version 0
 
     async def run() -> list[Sample]:
         delivered: list[Sample] = []
