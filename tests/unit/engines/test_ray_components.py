@@ -39,6 +39,9 @@ class FakeRolloutActor:
         async for sample in self.engine.generate(requests):
             yield sample
 
+    async def hold(self, seconds: float) -> None:
+        await asyncio.sleep(seconds)
+
 
 def requests(groups: int, n: int) -> list[GenerationRequest]:
     return [GenerationRequest(g, i, [1, 2, 3], SamplingParams()) for g in range(groups) for i in range(n)]
@@ -108,3 +111,27 @@ def test_a_restarted_actor_is_reloaded_before_the_call_fails_and_then_serves_aga
     finally:
         kill_all(engine)
     assert len(again) == 2
+
+
+@pytest.mark.parametrize("restarts", [0, 1])
+def test_a_call_whose_actor_died_fails_naming_it_once_the_actor_is_back_or_gone(ray_cluster: Any, restarts: int) -> None:
+    handle = FakeRolloutActor.options(num_cpus=0, max_restarts=restarts).remote()
+    actor = ActorRef("reward", "reward", handle, restartable=restarts > 0)
+
+    async def run() -> None:
+        pid, _ = await actor.call(handle.ready.remote())
+        pending = handle.hold.remote(30.0)
+        ray.kill(handle, no_restart=False)
+        with pytest.raises(ActorFailedError, match="reward actor 'reward' failed"):
+            await actor.call(pending)
+        if restarts:  # the error came once the actor was back: the role's retry finds it serving
+            again, _ = await actor.call(handle.ready.remote())
+            assert again != pid
+        else:
+            with pytest.raises(ActorFailedError):
+                await actor.call(handle.ready.remote())
+
+    try:
+        asyncio.run(run())
+    finally:
+        ray.kill(handle)
