@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 from pipeline.components import Components
-from pipeline.config import TandemConfig
+from pipeline.config import ConfigError, TandemConfig
 
 __all__ = ["build_components"]
 
 
 def build_components(config: TandemConfig) -> Components:
     if config.cluster.backend == "ray":
+        if importlib.util.find_spec("ray") is None:
+            raise ConfigError("cluster.backend=ray needs Ray: pip install 'tandem[ray]' (make installs it)")
         from engines.ray_components import build_ray_components
 
         return build_ray_components(config)

@@ -112,3 +112,14 @@ def test_ray_needs_the_torch_engines_and_restarts_need_role_retries_and_the_obje
     assert ok.cluster.max_actor_restarts == 1
     with pytest.raises(ConfigError, match="a gloo group cannot take a restarted rank back"):
         ray_config(cluster={"max_actor_restarts": 1, "weight_transport": "dist"}, roles=retries)
+
+
+def test_the_ray_backend_without_ray_installed_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    from engines.factory import build_components
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ray" else real(name, *a))
+    with pytest.raises(ConfigError, match=r"cluster.backend=ray needs Ray: pip install 'tandem\[ray\]'"):
+        build_components(ray_config())
