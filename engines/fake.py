@@ -12,12 +12,20 @@ Faithful where the flow's correctness is concerned:
   middle of a sequence: a partial rollout that kept its cache);
 - the train engine's version counts optimizer steps; log-probs have one value per token;
 - reward rises with the policy version that produced a sample, so a run visibly "learns".
+
+Faults, from ``engines.faults`` (per role, seeded): a call may be held up by an extra delay and
+may raise :class:`InjectedFault`, so the error policies, the ledger and weight-sync degradation
+can be exercised by tests, the soak benchmark and users alike. A failed train step leaves the
+version unchanged; a failed sync leaves the old weights serving; a failed generation call
+delivers a random part of its samples first.
 """
 
 from __future__ import annotations
 
 import asyncio
 import bisect
+import heapq
+import itertools
 import json
 import math
 import random
@@ -27,7 +35,7 @@ from pathlib import Path
 
 from engines.protocols import GenerationRequest, RewardResult, SamplingParams, SyncReport
 from pipeline.components import Components, SourcePrompt
-from pipeline.config import FakeEnginesConfig, LatencySpec, TandemConfig
+from pipeline.config import FakeEnginesConfig, FaultSpec, LatencySpec, TandemConfig
 from pipeline.records import FinishReason, ResumePolicy, RolloutGroup, Sample
 
 __all__ = [
@@ -35,6 +43,8 @@ __all__ = [
     "FakeRolloutEngine",
     "FakeTrainEngine",
     "FakeWeightSync",
+    "FaultInjector",
+    "InjectedFault",
     "LatencySampler",
     "build_fake_components",
     "synthetic_prompts",
@@ -68,6 +78,42 @@ async def _spend(seconds: float) -> None:
         await asyncio.sleep(seconds)
 
 
+class InjectedFault(RuntimeError):
+    """A failure the fake engines raise on purpose (``engines.faults``)."""
+
+
+class FaultInjector:
+    """Seeded faults for one role's engine calls: an extra delay, then maybe a failure."""
+
+    def __init__(self, role: str, spec: FaultSpec, seed: int) -> None:
+        self.role = role
+        self.spec = spec
+        self._rng = random.Random(seed)
+        self._delay = LatencySampler(spec.delay, seed + 1)
+        self.failures = 0  # faults raised so far
+        self.delays = 0  # calls held up so far
+
+    async def enter(self) -> bool:
+        """Start a call: spend the injected delay, if drawn; True if this call must fail."""
+        if self.spec.delay_rate and self._rng.random() < self.spec.delay_rate:
+            self.delays += 1
+            await _spend(self._delay())
+        return bool(self.spec.failure_rate) and self._rng.random() < self.spec.failure_rate
+
+    async def check(self) -> None:
+        """Start a call that fails as a whole: delay, then raise if this call is to fail."""
+        if await self.enter():
+            raise self.fault()
+
+    def fault(self) -> InjectedFault:
+        self.failures += 1
+        return InjectedFault(f"injected {self.role} fault #{self.failures}")
+
+    def cut(self, n: int) -> int:
+        """How many of a failing call's ``n`` results it delivers before it raises."""
+        return self._rng.randrange(n) if n > 0 else 0
+
+
 class FakeRolloutEngine:
     """A rollout engine with ``slots`` decode slots and drawn sequence durations.
 
@@ -76,14 +122,26 @@ class FakeRolloutEngine:
     sequence, so a simulated cluster of hundreds of slots runs fast on a virtual clock.
     """
 
-    def __init__(self, slots: int, latency: LatencySampler, response_tokens: int, decode_step_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        slots: int,
+        latency: LatencySampler,
+        response_tokens: int,
+        decode_step_s: float = 0.0,
+        faults: FaultInjector | None = None,
+    ) -> None:
         self.slots = slots
+        self._faults = faults or no_faults("generate")
         self._decode_step_s = decode_step_s
         self._latency = latency
         self._response_tokens = response_tokens
         self._mean_s = latency.spec.mean_s
-        self._times: list[float] = [float("-inf")]  # version timeline: version i since times[i]
+        # The version timeline, version i served since times[i], kept back only to the oldest
+        # sequence decoding now (older entries can never be read again: memory stays bounded).
+        self._times: list[float] = [float("-inf")]
         self._versions: list[int] = [0]
+        self._started: list[float] = []  # heap: start times of the sequences decoding now
+        self._ended: list[float] = []  # heap: start times of finished ones not yet popped off _started
         self._waiting: deque[tuple[GenerationRequest, asyncio.Queue[Sample]]] = deque()
         self.active = 0  # sequences decoding now
 
@@ -95,8 +153,16 @@ class FakeRolloutEngine:
         """Serve ``version`` from now on (weights are swapped between decode steps)."""
         if version < self.version:
             raise ValueError(f"weights must move forward: {self.version} -> {version}")
-        self._times.append(asyncio.get_running_loop().time())
+        now = asyncio.get_running_loop().time()
+        self._times.append(now)
         self._versions.append(version)
+        while self._ended and self._started[0] == self._ended[0]:
+            heapq.heappop(self._started)
+            heapq.heappop(self._ended)
+        oldest = self._started[0] if self._started else now
+        cut = bisect.bisect_right(self._times, oldest) - 1  # the entry in force at ``oldest`` stays
+        if cut > 0:
+            del self._times[:cut], self._versions[:cut]
 
     def _version_at(self, t: float) -> int:
         return self._versions[bisect.bisect_right(self._times, t) - 1]
@@ -131,6 +197,7 @@ class FakeRolloutEngine:
             request, out = self._waiting.popleft()
             self.active += 1
             start = loop.time()
+            heapq.heappush(self._started, start)
             duration = self._latency()
             end = start + duration
             if self._decode_step_s > 0:
@@ -139,15 +206,20 @@ class FakeRolloutEngine:
 
     def _finish(self, request: GenerationRequest, out: asyncio.Queue[Sample], start: float, duration: float) -> None:
         self.active -= 1
+        heapq.heappush(self._ended, start)
         out.put_nowait(self._sample(request, start, asyncio.get_running_loop().time(), duration))
         self._fill_slots()
 
     async def generate(self, requests: Sequence[GenerationRequest]) -> AsyncIterator[Sample]:
+        fail = await self._faults.enter()
+        deliver = self._faults.cut(len(requests)) if fail else len(requests)
         if self._mean_s == 0.0:
             # Zero-cost fast path (engine-overhead benchmark): no timers, no waits.
             now = asyncio.get_running_loop().time()
-            for request in requests:
+            for request in requests[:deliver]:
                 yield self._sample(request, now, now, 0.0)
+            if fail:
+                raise self._faults.fault()
             return
         # Unbounded is safe here: it never holds more than this call's own requests.
         out: asyncio.Queue[Sample] = asyncio.Queue()
@@ -156,9 +228,11 @@ class FakeRolloutEngine:
         self._fill_slots()
         delivered = 0
         try:
-            while delivered < len(requests):
+            while delivered < deliver:
                 yield await out.get()
                 delivered += 1
+            if fail:
+                raise self._faults.fault()
         finally:
             if delivered < len(requests):
                 # Abandoned (cancelled or failed consumer): unqueue what has not started.
@@ -170,9 +244,17 @@ class FakeRolloutEngine:
 class FakeTrainEngine:
     """A trainer whose step takes a drawn time; its version counts optimizer steps."""
 
-    def __init__(self, step_latency: LatencySampler, logp_latency: LatencySampler) -> None:
+    def __init__(
+        self,
+        step_latency: LatencySampler,
+        logp_latency: LatencySampler,
+        train_faults: FaultInjector | None = None,
+        logp_faults: FaultInjector | None = None,
+    ) -> None:
         self._step_latency = step_latency
         self._logp_latency = logp_latency
+        self._train_faults = train_faults or no_faults("train")
+        self._logp_faults = logp_faults or no_faults("logp")
         self._version = 0
 
     @property
@@ -180,10 +262,12 @@ class FakeTrainEngine:
         return self._version
 
     async def logprobs(self, samples: Sequence[Sample]) -> list[list[float]]:
+        await self._logp_faults.check()
         await _spend(self._logp_latency())
         return [list(s.behaviour_logprobs) for s in samples]
 
     async def train_step(self, groups: Sequence[RolloutGroup]) -> dict[str, float]:
+        await self._train_faults.check()
         await _spend(self._step_latency())
         self._version += 1
         return {"loss": 0.0, "groups": float(len(groups))}
@@ -199,14 +283,16 @@ class FakeTrainEngine:
 class FakeReferenceEngine:
     """A frozen reference: log-probs one nat below the behaviour policy's."""
 
-    def __init__(self, latency: LatencySampler) -> None:
+    def __init__(self, latency: LatencySampler, faults: FaultInjector | None = None) -> None:
         self._latency = latency
+        self._faults = faults or no_faults("ref_logp")
 
     @property
     def version(self) -> int:
         return 0
 
     async def logprobs(self, samples: Sequence[Sample]) -> list[list[float]]:
+        await self._faults.check()
         await _spend(self._latency())
         return [[lp - 1.0 for lp in s.behaviour_logprobs] for s in samples]
 
@@ -214,12 +300,16 @@ class FakeReferenceEngine:
 class FakeReward:
     """Rewards 1.0 with a probability that rises with the sample's policy version."""
 
-    def __init__(self, latency: LatencySampler, seed: int, half_life_versions: float = 10.0) -> None:
+    def __init__(
+        self, latency: LatencySampler, seed: int, half_life_versions: float = 10.0, faults: FaultInjector | None = None
+    ) -> None:
         self._latency = latency
+        self._faults = faults or no_faults("reward")
         self._rng = random.Random(seed)
         self._half = half_life_versions
 
     async def score(self, samples: Sequence[Sample], answers: Sequence[str | None]) -> list[RewardResult]:
+        await self._faults.check()
         await _spend(self._latency())
         out = []
         for sample in samples:
@@ -231,11 +321,13 @@ class FakeReward:
 class FakeWeightSync:
     """Takes a drawn time, then makes the rollout engine serve the new version."""
 
-    def __init__(self, rollout: FakeRolloutEngine, latency: LatencySampler) -> None:
+    def __init__(self, rollout: FakeRolloutEngine, latency: LatencySampler, faults: FaultInjector | None = None) -> None:
         self._rollout = rollout
         self._latency = latency
+        self._faults = faults or no_faults("param_update")
 
     async def sync(self, version: int) -> SyncReport:
+        await self._faults.check()  # raises before the load: the old weights keep serving
         duration = self._latency()
         await _spend(duration)
         self._rollout.load_version(version)
@@ -250,21 +342,43 @@ def synthetic_prompts(seed: int) -> Iterator[SourcePrompt]:
         yield SourcePrompt(prompt=f"{a}+{b}=", prompt_ids=[a % 50, b % 50], answer=str(a + b))
 
 
+HELD_OUT_SEED = 2**61 - 1  # the held-out stream's own seed, far from any seed a run would pick
+
+
+def held_out_prompts(n: int) -> list[SourcePrompt]:
+    """The fake task's held-out evaluation set: the same ``n`` prompts on every call."""
+    return list(itertools.islice(synthetic_prompts(HELD_OUT_SEED), n))
+
+
+def no_faults(role: str) -> FaultInjector:
+    """An injector that never delays or fails (and draws no random numbers)."""
+    return FaultInjector(role, FaultSpec(), 0)
+
+
 def build_fake_components(config: TandemConfig) -> Components:
     """The fake bundle for a config whose ``engines.type`` is ``fake``."""
     spec = config.engines
     assert isinstance(spec, FakeEnginesConfig)
     seed = config.run.seed
+
+    def faults(role: str, offset: int) -> FaultInjector:
+        return FaultInjector(role, spec.faults.get(role, FaultSpec()), seed + offset)
+
     rollout = FakeRolloutEngine(
-        spec.generation_slots, LatencySampler(spec.generation_latency, seed + 1), spec.response_tokens, spec.decode_step_s
+        spec.generation_slots, LatencySampler(spec.generation_latency, seed + 1), spec.response_tokens,
+        spec.decode_step_s, faults("generate", 11),
     )
     r = config.rollout
     return Components(
         prompts=synthetic_prompts,
         rollout=rollout,
-        trainer=FakeTrainEngine(LatencySampler(spec.train_step_latency, seed + 2), LatencySampler(spec.logp_latency, seed + 3)),
-        reward=FakeReward(LatencySampler(spec.reward_latency, seed + 4), seed + 5),
-        weight_sync=FakeWeightSync(rollout, LatencySampler(spec.sync_latency, seed + 6)),
+        trainer=FakeTrainEngine(
+            LatencySampler(spec.train_step_latency, seed + 2), LatencySampler(spec.logp_latency, seed + 3),
+            faults("train", 13), faults("logp", 15),
+        ),
+        reward=FakeReward(LatencySampler(spec.reward_latency, seed + 4), seed + 5, faults=faults("reward", 17)),
+        weight_sync=FakeWeightSync(rollout, LatencySampler(spec.sync_latency, seed + 6), faults("param_update", 19)),
         sampling=SamplingParams(r.max_new_tokens, r.temperature, r.top_p, r.top_k, tuple(r.stop)),
-        reference=FakeReferenceEngine(LatencySampler(spec.logp_latency, seed + 7)),
+        reference=FakeReferenceEngine(LatencySampler(spec.logp_latency, seed + 7), faults("ref_logp", 21)),
+        held_out=held_out_prompts,
     )

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,7 @@ from pipeline.config import ConfigError, TandemConfig, TorchEnginesConfig
 __all__ = [
     "build_torch_components",
     "prompt_budget",
+    "held_out_prompts",
     "prompt_source",
     "reference_engine",
     "resolve_model_path",
@@ -83,6 +84,19 @@ def task_prompts(tokenizer: Any, chunk: int = 1024) -> Any:
                 yield SourcePrompt(row["prompt"], _tokenize(tokenizer, row["prompt"]), row["answer"])
 
     return source
+
+
+def held_out_prompts(tokenizer: Any) -> Callable[[int], list[SourcePrompt]]:
+    """The task's held-out evaluation set: the problems pretraining reported its accuracy on,
+    drawn from a seed no run trains on (the validate role's data stream)."""
+    from tasks.arithmetic import generate_problems
+    from tasks.arithmetic.pretrain import REPORT_SEED
+
+    def held_out(n: int) -> list[SourcePrompt]:
+        rows = generate_problems(n, REPORT_SEED)
+        return [SourcePrompt(row["prompt"], _tokenize(tokenizer, row["prompt"]), row["answer"]) for row in rows]
+
+    return held_out
 
 
 def file_prompts(path: Path, tokenizer: Any) -> Any:
@@ -230,6 +244,7 @@ def build_torch_components(config: TandemConfig) -> Components:
     closers = [weight_sync.close, rollout.close, engine.close, reward.close] + ([reference.close] if reference else [])
     return Components(
         prompts=prompt_source(config, tokenizer),
+        held_out=held_out_prompts(tokenizer),
         rollout=rollout,
         trainer=RLTrainer(engine, config.algorithm),
         reward=reward,

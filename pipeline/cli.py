@@ -106,7 +106,8 @@ def _progress_bar(config: TandemConfig) -> Iterator[Progress]:
 
 
 def summary_line(result: FlowResult) -> str:
-    """steps, wall time, samples/s, reward at start -> end, staleness counts, ledger, run folder.
+    """steps, wall time, samples/s, reward at start -> end, staleness counts, ledger (with drops
+    per stage and degradations, if any), held-out accuracy first -> last (if validated), run folder.
 
     Start and end are the mean reward of the first and last tenth of the steps: one step's
     batch is too small (its prompts' difficulty varies) to say whether the policy improved.
@@ -119,10 +120,21 @@ def summary_line(result: FlowResult) -> str:
         else "n/a"
     )
     staleness = ", ".join(f"{k}: {n}" for k, n in result.staleness_counts.items()) or "none"
+    by_stage = ", ".join(f"{stage}: {n}" for stage, n in result.ledger["dropped_by_stage"].items())
+    degradations = sum(m.degraded for m in result.mode_changes)
+    validations = result.validations
+    held_out = (
+        f"held-out accuracy {validations[0].accuracy:.3f} (v{validations[0].version}) -> "
+        f"{validations[-1].accuracy:.3f} (v{validations[-1].version}), "
+        if validations
+        else ""
+    )
     return (
         f"done: {len(result.steps)} steps in {result.wall_s:.2f}s, {result.samples_per_s:.1f} samples/s, "
         f"reward {reward}, staleness {{{staleness}}}, "
-        f"ledger trained {result.ledger['trained']} dropped {result.ledger['dropped']}, "
+        f"ledger trained {result.ledger['trained']} dropped {result.ledger['dropped']}"
+        f"{f' ({by_stage})' if by_stage else ''}, "
+        f"{f'degraded to synchronous {degradations}x, ' if degradations else ''}{held_out}"
         f"run folder {result.run_dir if result.run_dir is not None else '(not written)'}"
     )
 

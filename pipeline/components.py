@@ -45,6 +45,7 @@ class Components:
     close_callbacks: list[Callable[[], None]] = field(default_factory=list)
     save_checkpoint: Callable[[Path], Awaitable[None]] | None = None  # final weights, loadable by from_pretrained
     max_prompt_tokens: int | None = None  # longer prompts are dropped at admission (recorded); None: no limit
+    held_out: Callable[[int], list[SourcePrompt]] | None = None  # held_out(n): the same n evaluation prompts each call
 
     def close(self) -> None:
         """Release engine threads and resources; safe to call once the flow has stopped."""

@@ -20,6 +20,7 @@ __all__ = [
     "AlgorithmConfig",
     "ClusterConfig",
     "FakeEnginesConfig",
+    "FaultSpec",
     "FlowConfig",
     "LatencySpec",
     "ParamSyncConfig",
@@ -29,14 +30,15 @@ __all__ = [
     "TaskConfig",
     "TandemConfig",
     "TorchEnginesConfig",
+    "ValidationConfig",
     "apply_overrides",
     "load_config",
     "validate_config",
 ]
 
-ROLE_NAMES = ("dataloader", "generate", "rollout", "logp", "ref_logp", "reward", "train", "param_update")
-# The chain of roles that exchange items over channels; param_update is driven by the version
-# clock instead. A config may insert custom stages anywhere between dataloader and train.
+ROLE_NAMES = ("dataloader", "generate", "rollout", "logp", "ref_logp", "reward", "train", "param_update", "validate")
+# The chain of roles that exchange items over channels; param_update and validate are driven by
+# the version clock instead. A config may insert custom stages anywhere between dataloader and train.
 DEFAULT_STAGES = ["dataloader", "generate", "rollout", "logp", "ref_logp", "reward", "train"]
 
 
@@ -99,6 +101,12 @@ class StalenessConfig(_Model):
     """Steps of prompts generation may have open at once, the current one included: k + 1."""
     max_concurrent_rollouts: int | None = Field(None, ge=1)
     """Cap on prompt groups in flight (admitted, not yet trained); default (k + 1) * prompts_per_step."""
+    degrade_after_sync_failures: int | None = Field(None, ge=1)
+    """After this many weight syncs in a row failed (each after its retries), admit synchronously
+    (bound in force 0) until syncs succeed again; None = never degrade. Needs
+    ``roles.param_update.on_error: drop`` (a failed sync is then tolerated and retried)."""
+    recover_after_syncs: int = Field(1, ge=1)
+    """While degraded: successful syncs in a row that restore the configured k."""
 
     @model_validator(mode="after")
     def _one_bound(self) -> StalenessConfig:
@@ -149,6 +157,15 @@ class RoleConfig(_Model):
     """Items per unit of work for this role; default ``flow.micro_batch_size``."""
 
 
+class ValidationConfig(_Model):
+    """Held-out evaluation of the serving policy while training runs (the validate role)."""
+
+    every_versions: int | None = Field(None, ge=1)
+    """Evaluate the loaded policy at versions 0, N, 2N, ... as they are loaded; None = off."""
+    prompts: int = Field(32, ge=1)
+    """Held-out prompts per evaluation (the same ones each time), one sample each."""
+
+
 class FlowConfig(_Model):
     """The graph of stages and the channels between them."""
 
@@ -182,8 +199,9 @@ class FlowConfig(_Model):
             raise ValueError(
                 f"flow.stages must start with dataloader, generate, rollout and end with train; got {self.stages}"
             )
-        if "param_update" in self.stages:
-            raise ValueError("flow.stages: param_update is not a channel stage; it always runs beside the chain")
+        for beside in ("param_update", "validate"):
+            if beside in self.stages:
+                raise ValueError(f"flow.stages: {beside} is not a channel stage; it runs beside the chain")
         for group in self.colocate:
             bad = [r for r in group if r not in known]
             if bad:
@@ -218,6 +236,21 @@ class RolloutConfig(_Model):
     """Stop strings that end a response."""
 
 
+FAULT_ROLES = ("generate", "logp", "ref_logp", "reward", "train", "param_update")
+
+
+class FaultSpec(_Model):
+    """Faults the fake engines inject into one role's engine calls (seeded, so reproducible)."""
+
+    failure_rate: float = Field(0.0, ge=0.0, le=1.0)
+    """Probability that a call raises ``InjectedFault``; a generation call first delivers a
+    random part of its samples, so a retry must resume, not repeat."""
+    delay_rate: float = Field(0.0, ge=0.0, le=1.0)
+    """Probability that a call is held up by an extra delay before it starts."""
+    delay: LatencySpec = LatencySpec()
+    """The extra delay."""
+
+
 class FakeEnginesConfig(_Model):
     """Engines with controlled timing and no model, for tests, the simulator and benchmarks."""
 
@@ -239,6 +272,9 @@ class FakeEnginesConfig(_Model):
     """Time to score one micro-batch of rewards."""
     sync_latency: LatencySpec = LatencySpec()
     """Time of one parameter sync."""
+    faults: dict[Literal[FAULT_ROLES], FaultSpec] = Field(default_factory=dict)  # type: ignore[valid-type]
+    """Faults per role, keyed by the role whose engine call fails: ``generate`` (the rollout
+    engine, validation included), ``logp``, ``ref_logp``, ``reward``, ``train``, ``param_update``."""
 
 
 class TorchEnginesConfig(_Model):
@@ -379,7 +415,6 @@ class ClusterConfig(_Model):
     group of the trainer and the rollout actors; the trainer broadcasts each bucket). A gloo
     group cannot take a restarted rank back, so ``dist`` needs ``max_actor_restarts: 0``."""
 
-
     @model_validator(mode="after")
     def _one_placement(self) -> ClusterConfig:
         if self.device_mapping is not None and self.use_nodes_ratios is not None:
@@ -445,6 +480,8 @@ class TandemConfig(_Model):
     """Logs, metrics, trace."""
     cluster: ClusterConfig = ClusterConfig()
     """Where the engines run: this process or a Ray cluster."""
+    validation: ValidationConfig = ValidationConfig()
+    """Held-out evaluation beside training."""
 
     @model_validator(mode="after")
     def _cross_checks(self) -> TandemConfig:
@@ -452,6 +489,17 @@ class TandemConfig(_Model):
         bad = [r for r in self.roles if r not in known]
         if bad:
             raise ValueError(f"roles has unknown role names {bad}; allowed: {sorted(known)}")
+        sync_policy = self.role("param_update")
+        if self.staleness.degrade_after_sync_failures is not None and sync_policy.on_error != "drop":
+            raise ValueError(
+                "staleness.degrade_after_sync_failures needs roles.param_update.on_error=drop "
+                "(with fail, the first failed sync stops the run)"
+            )
+        if sync_policy.on_error == "drop" and sync_policy.retry_backoff_s == 0:
+            raise ValueError(
+                "roles.param_update.retry_backoff_s must be > 0 with on_error=drop: it spaces the "
+                "attempts of a sync that keeps failing"
+            )
         self._check_cluster()
         if self.engines.type == "torch":
             algo, stages = self.algorithm, self.flow.stages
@@ -466,6 +514,15 @@ class TandemConfig(_Model):
                 )
             if "ref_logp" in stages and algo.kl_coef == 0:
                 raise ValueError("flow.stages has ref_logp but algorithm.kl_coef is 0: the reference would go unused")
+        return self
+
+    @model_validator(mode="after")
+    def _checkpoints_need_a_run_folder(self) -> TandemConfig:
+        if not self.observability.write_run_dir and (self.run.save_steps is not None or self.run.resume is not False):
+            raise ValueError(
+                "run.save_steps and run.resume write checkpoints into the run folder: "
+                "set observability.write_run_dir=true"
+            )
         return self
 
     def _check_cluster(self) -> None:
@@ -488,15 +545,6 @@ class TandemConfig(_Model):
                     f"cluster.max_actor_restarts > 0 redoes a dead actor's work through the role's retries: "
                     f"set roles.{short[0]}.max_retries >= 1"
                 )
-
-    @model_validator(mode="after")
-    def _checkpoints_need_a_run_folder(self) -> TandemConfig:
-        if not self.observability.write_run_dir and (self.run.save_steps is not None or self.run.resume is not False):
-            raise ValueError(
-                "run.save_steps and run.resume write checkpoints into the run folder: "
-                "set observability.write_run_dir=true"
-            )
-        return self
 
     @property
     def max_concurrent(self) -> int:

@@ -30,7 +30,7 @@ from pipeline.channel import BrokenChannel, ChannelStatistics, ReceiveChannel, S
 from pipeline.checkpoint import Checkpointer, FlowState, trim_metrics
 from pipeline.components import Components
 from pipeline.config import TandemConfig
-from pipeline.history import RunHistory, StepRecord, SyncRecord
+from pipeline.history import ModeChange, RunHistory, StepRecord, SyncRecord, ValidationRecord
 from pipeline.ledger import DropRecord, Ledger
 from pipeline.metrics import FlowMetrics
 from pipeline.report import plot_run
@@ -68,6 +68,8 @@ class FlowResult:
 
     steps: list[StepRecord]
     syncs: list[SyncRecord]
+    validations: list[ValidationRecord]
+    mode_changes: list[ModeChange]
     ledger: dict[str, Any]
     drops: list[DropRecord]
     staleness_counts: dict[int, int]
@@ -108,6 +110,7 @@ class AsyncTrainingFlow:
         self.machines: list[StateMachine] = []
         self.channels: list[ReceiveChannel[Any]] = []
         self.metrics_port: int | None = None  # set while metrics are served
+        self.metrics: FlowMetrics | None = None  # the run's Prometheus registry, set while it runs
 
     async def run(self) -> FlowResult:
         cfg = self.config
@@ -130,8 +133,9 @@ class AsyncTrainingFlow:
             checkpoints=checkpoints, resumed=resumed,
         )
         self.machines = self._build_graph(services)
-        metrics = FlowMetrics(self.machines, self.channels, clock, services.ledger, start)
+        metrics = self.metrics = FlowMetrics(self.machines, self.channels, clock, services.ledger, gate, start)
         services.history.on_step(metrics.observe_step)
+        services.history.on_validation(metrics.observe_validation)
         if self._on_step is not None:
             services.history.on_step(self._on_step)
         port = metrics.serve(cfg.observability.metrics_port) if cfg.observability.metrics_port is not None else None
@@ -149,7 +153,7 @@ class AsyncTrainingFlow:
             await self._stop(services)
         finally:
             metrics.close()
-            self.metrics_port = None
+            self.metrics_port, self.metrics = None, None
             services.history.close()
             if self._given_components is None:
                 components.close()
@@ -233,6 +237,8 @@ class AsyncTrainingFlow:
             machines.append(create_role_state_machine(name, services, inbox=inbox, outbox=outbox, lock=locks.get(name)))
             inbox = next_inbox
         machines.append(create_role_state_machine("param_update", services, lock=locks.get("param_update")))
+        if cfg.validation.every_versions is not None:
+            machines.append(create_role_state_machine("validate", services, lock=locks.get("validate")))
         return machines
 
     async def _supervise(self) -> None:
@@ -260,6 +266,8 @@ class AsyncTrainingFlow:
         return FlowResult(
             steps=services.history.steps,
             syncs=services.history.syncs,
+            validations=services.history.validations,
+            mode_changes=services.history.mode_changes,
             ledger=services.ledger.summary(),
             drops=services.ledger.drops,
             staleness_counts=dict(sorted(services.history.staleness_counts.items())),
@@ -293,6 +301,9 @@ class AsyncTrainingFlow:
             "staleness_counts": result.staleness_counts,
             "ledger": result.ledger,
             "resumed_from_version": result.resumed_from_version,
+            "degradations": sum(m.degraded for m in result.mode_changes),
+            "validation": [{"version": v.version, "reward_mean": v.reward_mean, "accuracy": v.accuracy}
+                           for v in result.validations],
             "roles_busy_fraction": {name: r.busy_fraction for name, r in result.roles.items()},
         }
 

@@ -10,7 +10,12 @@ Series (all prefixed ``tandem_``): ``policy_version{role}``, ``param_update_lag`
 ``channel_wait_seconds_total{channel,end}``, ``role_state{role,state}``,
 ``role_state_seconds_total{role,state}``, ``role_transitions_total{role}``,
 ``role_items_total{role}``, ``samples_per_second``, ``tokens_per_second``, ``reward_mean``,
-``train_step``, ``prompts_total{outcome}``.
+``train_step``, ``prompts_total{outcome}`` (admitted, trained, dropped),
+``prompts_dropped_total{stage}``, ``ledger_balanced`` (1 while admitted = trained + dropped +
+in flight), ``staleness_bound`` (the k in force for admission), ``degraded`` (1 while failed
+weight syncs hold admission synchronous), ``sync_failures_total``, ``degradations_total``,
+``validation_reward_mean``, ``validation_accuracy``, ``validation_version`` (the weight
+version the latest held-out evaluation ran on).
 """
 
 from __future__ import annotations
@@ -23,9 +28,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from pipeline.channel import ReceiveChannel
-from pipeline.history import StepRecord
+from pipeline.history import StepRecord, ValidationRecord
 from pipeline.ledger import Ledger
-from pipeline.staleness import VersionClock
+from pipeline.staleness import StalenessGate, VersionClock
 
 if TYPE_CHECKING:
     from state_machines.base import StateMachine
@@ -35,11 +40,12 @@ __all__ = ["FlowMetrics"]
 
 class _LiveCollector(Collector):
     def __init__(self, machines: Sequence[StateMachine], channels: Sequence[ReceiveChannel[Any]],
-                 clock: VersionClock, ledger: Ledger) -> None:
-        self.machines, self.channels, self.clock, self.ledger = machines, channels, clock, ledger
+                 clock: VersionClock, ledger: Ledger, gate: StalenessGate) -> None:
+        self.machines, self.channels, self.clock, self.ledger, self.gate = machines, channels, clock, ledger, gate
 
     def collect(self) -> Iterator[Any]:
         from state_machines.base import State
+        from state_machines.param_update import ParamUpdateStateMachine
 
         version = GaugeMetricFamily("tandem_policy_version", "Policy version each role last worked with", labels=["role"])
         state = GaugeMetricFamily("tandem_role_state", "1 for the state each role is in", labels=["role", "state"])
@@ -70,15 +76,31 @@ class _LiveCollector(Collector):
         prompts.add_metric(["trained"], self.ledger.trained)
         prompts.add_metric(["dropped"], len(self.ledger.drops))
         yield prompts
+        dropped = CounterMetricFamily("tandem_prompts_dropped", "Prompt groups dropped, by stage", labels=["stage"])
+        counts = self.ledger.drop_counts()
+        for m in self.machines:  # every stage, so a run without drops still exports the series
+            dropped.add_metric([m.name], counts.get(m.name, 0))
+        yield dropped
+        yield GaugeMetricFamily("tandem_ledger_balanced", "1 while admitted = trained + dropped + in flight",
+                                value=float(self.ledger.balanced))
+        yield GaugeMetricFamily("tandem_staleness_bound", "Staleness bound k in force for admission", value=self.gate.k)
+        sync = next((m for m in self.machines if isinstance(m, ParamUpdateStateMachine)), None)
+        if sync is not None:
+            yield GaugeMetricFamily("tandem_degraded", "1 while failed weight syncs hold admission synchronous",
+                                    value=float(sync.degraded))
+            yield CounterMetricFamily("tandem_sync_failures", "Weight syncs that failed after their retries",
+                                      value=sync.sync_failures)
+            yield CounterMetricFamily("tandem_degradations", "Times failed syncs degraded admission to synchronous",
+                                      value=sync.degradations)
 
 
 class FlowMetrics:
     """The registry of one flow, fed by its step history and read live from its objects."""
 
     def __init__(self, machines: Sequence[StateMachine], channels: Sequence[ReceiveChannel[Any]],
-                 clock: VersionClock, ledger: Ledger, start_s: float) -> None:
+                 clock: VersionClock, ledger: Ledger, gate: StalenessGate, start_s: float) -> None:
         self.registry = CollectorRegistry()
-        self.registry.register(_LiveCollector(machines, channels, clock, ledger))
+        self.registry.register(_LiveCollector(machines, channels, clock, ledger, gate))
         self._start_s = start_s
         self._samples = 0
         self._tokens = 0
@@ -89,6 +111,12 @@ class FlowMetrics:
         self.tokens_per_s = Gauge("tandem_tokens_per_second", "Trained tokens per second so far", registry=r)
         self.reward = Gauge("tandem_reward_mean", "Mean reward of the last trained step", registry=r)
         self.step = Gauge("tandem_train_step", "Optimizer steps done", registry=r)
+        self.validation_reward = Gauge("tandem_validation_reward_mean", "Mean held-out reward, latest evaluation",
+                                       registry=r)
+        self.validation_accuracy = Gauge("tandem_validation_accuracy", "Held-out accuracy, latest evaluation",
+                                         registry=r)
+        self.validation_version = Gauge("tandem_validation_version", "Weight version of the latest evaluation",
+                                        registry=r)
         self._server: Any = None
 
     def observe_step(self, record: StepRecord) -> None:
@@ -101,6 +129,11 @@ class FlowMetrics:
         self.tokens_per_s.set(self._tokens / elapsed)
         self.reward.set(record.reward_mean)
         self.step.set(record.step + 1)
+
+    def observe_validation(self, record: ValidationRecord) -> None:
+        self.validation_reward.set(record.reward_mean)
+        self.validation_accuracy.set(record.accuracy)
+        self.validation_version.set(record.version)
 
     def serve(self, port: int) -> int:
         """Serve on 127.0.0.1:``port`` (0 = any free port); return the bound port."""

@@ -39,8 +39,9 @@ class ResumePolicy(str, Enum):
 class PromptGroup:
     """A prompt to be sampled ``n`` times; admitted, trained and accounted for as one unit.
 
-    ``step`` is the training step the group is assigned to at admission (-1 before), and
-    ``admitted_version`` the rollout policy version that was loaded when it was admitted.
+    ``step`` is the training step the group is assigned to at admission (-1 before),
+    ``admitted_version`` the rollout policy version that was loaded when it was admitted, and
+    ``admitted_k`` the staleness bound in force then (its trained staleness may not exceed it).
     """
 
     prompt_id: int
@@ -50,6 +51,7 @@ class PromptGroup:
     answer: str | None = None
     step: int = -1
     admitted_version: int = -1
+    admitted_k: int = -1
 
 
 @dataclass(slots=True)

@@ -19,6 +19,12 @@ version ``t`` is loaded, which is exactly the synchronous schedule.
 
 A dropped group gives its slot back, so its step is refilled by a fresh prompt and the step
 still trains a full batch; no step is ever assigned more than ``prompts_per_step`` live groups.
+
+The bound *in force* may drop below the configured ``k`` while weight syncs fail (degraded,
+synchronous admission, see the param_update role) and come back when they succeed again. Each
+admission records the bound in force when it was granted, and a group is checked against
+that bound: since its samples start at versions ``>= w``, ``s - start <= s - w <= k_admitted``.
+Lowering the bound never invalidates a group already admitted under the higher one.
 """
 
 from __future__ import annotations
@@ -80,10 +86,12 @@ class VersionClock:
 
 @dataclass(slots=True, frozen=True)
 class Admission:
-    """A granted slot: train step ``step``, admitted while version ``version`` was loaded."""
+    """A granted slot: train step ``step``, admitted while version ``version`` was loaded and
+    the bound in force was ``k``."""
 
     step: int
     version: int
+    k: int
 
 
 class StalenessGate:
@@ -106,7 +114,7 @@ class StalenessGate:
         if prompts_per_step < 1 or max_steps < 1 or max_concurrent < 1:
             raise ValueError("prompts_per_step, max_steps and max_concurrent must be >= 1")
         self.clock = clock
-        self.k = max_staleness
+        self.k = max_staleness  # the bound in force; set_k changes it
         self.prompts_per_step = prompts_per_step
         self.max_steps = max_steps
         self.max_concurrent = max_concurrent
@@ -140,7 +148,16 @@ class StalenessGate:
             return None
         self._live[step] = self._live.get(step, 0) + 1
         self.in_flight += 1
-        return Admission(step=step, version=self.clock.loaded)
+        return Admission(step=step, version=self.clock.loaded, k=self.k)
+
+    async def set_k(self, k: int) -> None:
+        """Put bound ``k`` in force for admissions from now on (groups already admitted keep the
+        bound they were admitted under); raising it may open slots, so waiters are woken."""
+        if k < 0:
+            raise ValueError(f"the staleness bound must be >= 0, got {k}")
+        async with self.clock.changed:
+            self.k = k
+            self.clock.changed.notify_all()
 
     async def release(self, step: int) -> None:
         """A group of ``step`` was dropped: its slot opens again for a fresh prompt."""
@@ -158,12 +175,14 @@ class StalenessGate:
             self._live.pop(step, None)  # a trained step can never be released again
             self.clock.changed.notify_all()
 
-    def check(self, trained_step: int, oldest_version: int, prompt_id: int) -> int:
-        """Return the staleness of a group trained at ``trained_step``; raise if over the bound."""
+    @staticmethod
+    def check(trained_step: int, oldest_version: int, prompt_id: int, k: int) -> int:
+        """Return the staleness of a group trained at ``trained_step``; raise if over ``k``, the
+        bound in force when the group was admitted."""
         staleness = trained_step - oldest_version
-        if staleness > self.k:
+        if staleness > k:
             raise StalenessViolation(
                 f"prompt {prompt_id} trained at step {trained_step} was started at version "
-                f"{oldest_version}: staleness {staleness} > max_staleness {self.k}"
+                f"{oldest_version}: staleness {staleness} > the bound {k} it was admitted under"
             )
         return staleness

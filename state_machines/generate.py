@@ -10,8 +10,10 @@ deadlock: the step's last groups would wait behind the gate that their own train
 A group whose prompt is longer than the components' ``max_prompt_tokens`` (the model's context
 minus ``max_new_tokens``) is dropped at admission with the lengths as reason; its slot refills.
 A failed engine call is retried for the samples it had not yet delivered, so a retry never
-duplicates a sample. State: RUNNING while any call is in flight, else PAUSED while held by the
-gate, else WAITING_INPUT.
+duplicates a sample; if the error policy then drops the call, it drops only the groups still
+missing samples (a group whole before the failure has gone on to training and stays there).
+State: RUNNING while any call is in flight, else PAUSED while held by the gate, else
+WAITING_INPUT.
 """
 
 from __future__ import annotations
@@ -85,6 +87,7 @@ class GenerateStateMachine(StateMachine):
     def _admit(self, group: PromptGroup, admission: Admission) -> PromptGroup:
         group.step = admission.step
         group.admitted_version = admission.version
+        group.admitted_k = admission.k
         self.services.ledger.admit(group.prompt_id, admission.step)
         self.version = admission.version
         return group
@@ -124,6 +127,10 @@ class GenerateStateMachine(StateMachine):
             for g in groups
             for i in range(g.n)
         }
+        missing = {g.prompt_id: g.n for g in groups}
+        # The groups a failure concerns; ``work`` reads it when the policy decides, so a group
+        # that became whole before the failure is neither dropped nor named.
+        incomplete = list(groups)
         assert self.outbox is not None
 
         async def call() -> None:
@@ -132,5 +139,8 @@ class GenerateStateMachine(StateMachine):
                 del todo[(sample.prompt_id, sample.index)]
                 await self.outbox.send(Generation(by_id[sample.prompt_id], sample))
                 self.items_done += 1
+                missing[sample.prompt_id] -= 1
+                if not missing[sample.prompt_id]:
+                    incomplete.remove(by_id[sample.prompt_id])
 
-        await self.work(groups, call)
+        await self.work(incomplete, call)

@@ -22,6 +22,7 @@ from state_machines.ref_logp import RefLogPStateMachine
 from state_machines.reward import RewardStateMachine
 from state_machines.rollout import RolloutStateMachine
 from state_machines.train import TrainStateMachine
+from state_machines.validate import ValidateStateMachine
 
 __all__ = ["ROLE_STATE_MACHINES", "create_role_state_machine", "resolve_stage_class"]
 
@@ -36,6 +37,7 @@ ROLE_STATE_MACHINES: dict[str, type[StateMachine]] = {
         RewardStateMachine,
         TrainStateMachine,
         ParamUpdateStateMachine,
+        ValidateStateMachine,
     )
 }
 

@@ -52,7 +52,7 @@ class TrainStateMachine(StateMachine):
         """Train one step; False if the error policy dropped the batch (the step is refilled)."""
         services = self.services
         loop = asyncio.get_running_loop()
-        staleness = [services.gate.check(step, g.oldest_version, g.prompt_id) for g in batch]
+        staleness = [services.gate.check(step, g.oldest_version, g.prompt_id, g.group.admitted_k) for g in batch]
         started = loop.time()
         metrics = await self.work(batch, lambda: services.components.trainer.train_step(batch))
         if metrics is None:
@@ -78,6 +78,7 @@ class TrainStateMachine(StateMachine):
                 reward_mean=sum(rewards) / len(rewards) if rewards else float("nan"),
                 staleness=staleness,
                 loaded_version=services.clock.loaded,
+                staleness_bound=services.gate.k,
                 prompt_ids=[g.prompt_id for g in batch],
                 train_metrics=dict(metrics),
             )

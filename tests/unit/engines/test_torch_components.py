@@ -102,3 +102,17 @@ def test_a_tokenizer_that_does_not_belong_to_the_model_is_named(tmp_path: Path) 
     tokenizer = load_tokenizer(model)
     with pytest.raises(ConfigError, match=rf"the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is 10"):
         build_torch_components(torch_config(model))
+
+
+def test_the_held_out_set_is_the_problems_pretraining_reported_on_tokenized() -> None:
+    from engines.torch_components import held_out_prompts
+    from tasks.arithmetic import generate_problems
+    from tasks.arithmetic.pretrain import REPORT_SEED
+
+    tokenizer = load_tokenizer(str(MODEL_DIR))
+    held_out = held_out_prompts(tokenizer)
+    prompts = held_out(5)
+    assert prompts == held_out(5)
+    expected = generate_problems(5, REPORT_SEED)
+    assert [(p.prompt, p.answer) for p in prompts] == [(e["prompt"], e["answer"]) for e in expected]
+    assert prompts[0].prompt_ids == list(tokenizer(expected[0]["prompt"])["input_ids"])

@@ -12,8 +12,10 @@ from pathlib import Path
 import pytest
 import structlog
 
-from pipeline.cli import CONFIGS_DIR, main
+from pipeline import AsyncTrainingFlow
+from pipeline.cli import CONFIGS_DIR, main, summary_line
 from pipeline.config import load_config
+from tests.conftest import make_config, run_virtual
 
 REPO = Path(__file__).resolve().parents[3]
 QUIET = ["observability.write_run_dir=false", "observability.log_level=warning", "--no-progress"]
@@ -117,6 +119,24 @@ def test_ctrl_c_stops_cleanly_with_exit_code_130() -> None:
     assert proc.returncode == 130
     assert "interrupted" in err and "Traceback" not in err
     assert "done:" not in out
+
+
+def test_the_summary_names_drops_per_stage_degradations_and_held_out_accuracy() -> None:
+    cfg = make_config(
+        run={"max_steps": 12},
+        validation={"every_versions": 4, "prompts": 4},
+        staleness={"degrade_after_sync_failures": 1},
+        roles={"reward": {"on_error": "drop"}, "param_update": {"on_error": "drop"}},
+        engines={"faults": {"reward": {"failure_rate": 0.2}, "param_update": {"failure_rate": 0.3}}},
+    )
+    result = run_virtual(AsyncTrainingFlow(cfg).run())
+    summary = summary_line(result)
+    dropped = result.ledger["dropped"]
+    assert dropped > 0 and f"dropped {dropped} (reward: {dropped})" in summary
+    degradations = sum(m.degraded for m in result.mode_changes)
+    assert degradations > 0 and f"degraded to synchronous {degradations}x" in summary
+    first, last = result.validations[0], result.validations[-1]
+    assert f"held-out accuracy {first.accuracy:.3f} (v0) -> {last.accuracy:.3f} (v{last.version})" in summary
 
 
 def test_ctrl_c_checkpoints_the_run_and_resume_continues_it(tmp_path: Path) -> None:

@@ -21,15 +21,16 @@ from tests.conftest import make_config, run_virtual
 
 
 class RecordingTrainer(FakeTrainEngine):
-    """The fake trainer, remembering every batch it trained."""
+    """The fake trainer (with its injected faults), remembering every batch it trained."""
 
     def __init__(self, inner: FakeTrainEngine) -> None:
-        super().__init__(inner._step_latency, inner._logp_latency)
+        super().__init__(inner._step_latency, inner._logp_latency, inner._train_faults, inner._logp_faults)
         self.batches: list[list[RolloutGroup]] = []
 
     async def train_step(self, groups: Sequence[RolloutGroup]) -> dict[str, float]:
+        metrics = await super().train_step(groups)  # a failed step trained nothing
         self.batches.append(list(groups))
-        return await super().train_step(groups)
+        return metrics
 
 
 def recording(config: TandemConfig) -> tuple[Components, RecordingTrainer]:

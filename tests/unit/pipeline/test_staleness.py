@@ -81,11 +81,31 @@ def test_nothing_is_admitted_past_max_steps() -> None:
     run_virtual(scenario())
 
 
-def test_check_reports_staleness_and_refuses_over_the_bound() -> None:
-    g = gate(k=1)
-    assert g.check(trained_step=5, oldest_version=4, prompt_id=9) == 1
-    with pytest.raises(StalenessViolation, match="prompt 9.*staleness 2 > max_staleness 1"):
-        g.check(trained_step=5, oldest_version=3, prompt_id=9)
+def test_check_reports_staleness_and_refuses_over_the_bound_the_group_was_admitted_under() -> None:
+    assert StalenessGate.check(trained_step=5, oldest_version=4, prompt_id=9, k=1) == 1
+    with pytest.raises(StalenessViolation, match="prompt 9.*staleness 2 > the bound 1"):
+        StalenessGate.check(trained_step=5, oldest_version=3, prompt_id=9, k=1)
+    with pytest.raises(StalenessViolation, match="staleness 1 > the bound 0"):
+        StalenessGate.check(trained_step=5, oldest_version=4, prompt_id=9, k=0)
+
+
+def test_a_lowered_bound_holds_new_admissions_and_raising_it_wakes_them() -> None:
+    async def scenario() -> None:
+        g = gate(k=1, per_step=1)
+        first = g.try_admit()
+        assert first is not None and (first.step, first.k) == (0, 1)
+        await g.set_k(0)  # degraded: step 1 now needs version 1 loaded
+        assert g.try_admit() is None
+        waiter = asyncio.ensure_future(g.admit())
+        await asyncio.sleep(1)
+        assert not waiter.done()
+        await g.set_k(1)  # recovered: step 1 is within loaded 0 + 1 again
+        admission = await asyncio.wait_for(waiter, 1)
+        assert (admission.step, admission.version, admission.k) == (1, 0, 1)
+        with pytest.raises(ValueError, match=">= 0"):
+            await g.set_k(-1)
+
+    run_virtual(scenario())
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,104 @@
+"""The validate role: evaluates the serving policy on a held-out set while training goes on.
+
+Schedule (``validation.every_versions = N``): the role waits, event-driven, for the loaded
+version to reach the next multiple of N (0 first: the policy before any RL step), then
+generates one sample per held-out prompt with the rollout engine, scores them with the reward,
+and records the result tagged with the weight version every sample started with
+(:class:`~pipeline.history.ValidationRecord`; a weight update that lands mid-evaluation is
+reported as ``max_token_version``). Versions it fell behind on are skipped, never queued, and
+one evaluation runs at a time. An evaluation still running when training ends is cancelled and
+not recorded.
+
+Its prompts are the components' held-out set, never the training stream: it takes no
+admission slot and enters no ledger, so it neither consumes a training step's budget nor
+touches the staleness accounting. Its requests join the rollout engine's continuous batch
+beside training generation, so training is never paused for it. Its ids start at
+``VALIDATION_IDS``, far above any training prompt id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+from collections.abc import Sequence
+from typing import Any
+
+from engines.protocols import GenerationRequest, RewardResult
+from pipeline.history import ValidationRecord
+from pipeline.records import Sample
+from state_machines.base import State, StateMachine
+from state_machines.generate import request_seed
+
+__all__ = ["VALIDATION_IDS", "ValidateStateMachine"]
+
+VALIDATION_IDS = 1 << 48
+
+
+class ValidateStateMachine(StateMachine):
+    role = "validate"
+
+    async def main(self) -> None:
+        spec = self.config.validation
+        every = spec.every_versions
+        if every is None:
+            raise ValueError("the validate role runs only with validation.every_versions set")
+        held_out = self.services.components.held_out
+        if held_out is None:
+            raise ValueError("validation.every_versions is set but the engines provide no held-out prompts")
+        prompts = held_out(spec.prompts)
+        if len(prompts) != spec.prompts:
+            raise ValueError(f"validation.prompts is {spec.prompts} but the held-out set has {len(prompts)}")
+        components = self.services.components
+        requests = [
+            GenerationRequest(
+                VALIDATION_IDS + i, 0, p.prompt_ids, components.sampling,
+                seed=request_seed(self.config.run.seed, VALIDATION_IDS + i, 0),
+            )
+            for i, p in enumerate(prompts)
+        ]
+        answers = [p.answer for p in prompts]
+        clock = self.services.clock
+        target = 0
+        while True:
+            self.set_state(State.WAITING_INPUT)
+            await self._wait_loaded(target)
+            record = await self.work([], lambda: self._evaluate(requests, answers))
+            if record is not None:
+                self.version = record.version
+                self.items_done += record.samples
+                self.services.history.add_validation(record)
+            target = (clock.loaded // every + 1) * every
+
+    async def _wait_loaded(self, version: int) -> None:
+        clock = self.services.clock
+        async with clock.changed:
+            await clock.changed.wait_for(lambda: clock.loaded >= version)
+
+    async def drop(self, items: Sequence[Any], reason: str) -> None:
+        """The error policy's ``drop`` for an evaluation: it is skipped, no prompts are accounted."""
+        self.log.warning("held-out evaluation skipped", error=reason)
+
+    async def _evaluate(self, requests: list[GenerationRequest], answers: list[str | None]) -> ValidationRecord:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        components = self.services.components
+        samples: list[Sample] = [s async for s in components.rollout.generate(requests)]
+        samples.sort(key=lambda s: s.prompt_id)
+        by_id = dict(zip((r.prompt_id for r in requests), answers, strict=True))
+        results = await components.reward.score(samples, [by_id[s.prompt_id] for s in samples])
+        return _record(samples, results, loop.time(), loop.time() - started)
+
+
+def _record(samples: list[Sample], results: list[RewardResult], now: float, duration: float) -> ValidationRecord:
+    if len(results) != len(samples):
+        raise ValueError(f"reward returned {len(results)} results for {len(samples)} validation samples")
+    rewards = [r.reward if r.ok else 0.0 for r in results]
+    return ValidationRecord(
+        version=min(s.start_version for s in samples),
+        max_token_version=max(max(s.token_versions, default=s.start_version) for s in samples),
+        time_s=now,
+        duration_s=duration,
+        samples=len(samples),
+        reward_mean=statistics.fmean(rewards),
+        accuracy=sum(r >= 1.0 for r in rewards) / len(rewards),
+    )
