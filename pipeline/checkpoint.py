@@ -101,14 +101,16 @@ class FlowState:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> FlowState:
-        version, inner, gauss = data["python_rng"]
+        if data.get("format") != FORMAT:
+            raise CheckpointError(f"{FLOW_STATE} has format {data.get('format')!r}; this tandem reads format {FORMAT}")
+        rng_version, inner, gauss = data["python_rng"]
         return cls(
             version=data["version"],
             next_prompt_id=data["next_prompt_id"],
             in_flight=list(data["in_flight"]),
             trained=data["trained"],
             drops=[DropRecord(**d) for d in data["drops"]],
-            python_rng=(version, tuple(inner), gauss),
+            python_rng=(rng_version, tuple(inner), gauss),
             config=data["config"],
         )
 
