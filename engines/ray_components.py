@@ -340,6 +340,7 @@ def build_ray_components(config: TandemConfig) -> Components:
     """
     from engines.tokenizer import load_tokenizer
     from engines.torch_components import (
+        held_out_prompts,
         prompt_budget,
         prompt_source,
         resolve_model_path,
@@ -398,6 +399,7 @@ def build_ray_components(config: TandemConfig) -> Components:
 
     return Components(
         prompts=prompt_source(config, tokenizer),
+        held_out=held_out_prompts(tokenizer),
         rollout=rollout,
         trainer=RayTrainEngine(trainer),
         reward=RayReward(reward),

@@ -406,9 +406,10 @@ class ClusterConfig(_Model):
     max_actor_restarts: int = Field(0, ge=0)
     """Times Ray restarts a rollout or reward actor that died; the restarted rollout actor loads
     the trainer's current weights and the work it held is redone through the role's retries
-    (so > 0 needs ``roles.generate.max_retries`` and ``roles.param_update.max_retries`` >= 1; a
-    reward batch is redone if ``roles.reward.max_retries`` >= 1, else the run stops). The trainer
-    and reference actors are never restarted: their state would be lost."""
+    (so > 0 needs ``roles.generate.max_retries``, ``roles.param_update.max_retries`` and, with
+    validation on, ``roles.validate.max_retries`` >= 1; a reward batch is redone if
+    ``roles.reward.max_retries`` >= 1, else the run stops). The trainer and reference actors
+    are never restarted: their state would be lost."""
     weight_transport: Literal["object_store", "dist"] = "object_store"
     """How weights reach the rollout actors: ``object_store`` (each bucket put once in Ray's
     object store as a numpy view, read by every actor) or ``dist`` (a torch.distributed gloo
@@ -539,7 +540,9 @@ class TandemConfig(_Model):
                 "a gloo group cannot take a restarted rank back"
             )
         if cluster.max_actor_restarts > 0:
-            short = [r for r in ("generate", "param_update") if self.role(r).max_retries < 1]
+            # Every role that calls the rollout actors: validation generates on them too.
+            callers = ("generate", "param_update") + (("validate",) if self.validation.every_versions else ())
+            short = [r for r in callers if self.role(r).max_retries < 1]
             if short:
                 raise ValueError(
                     f"cluster.max_actor_restarts > 0 redoes a dead actor's work through the role's retries: "

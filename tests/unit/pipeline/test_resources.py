@@ -110,6 +110,8 @@ def test_ray_needs_the_torch_engines_and_restarts_need_role_retries_and_the_obje
     retries = {r: {"max_retries": 2} for r in ("generate", "param_update")}
     ok = ray_config(cluster={"max_actor_restarts": 1}, roles=retries)
     assert ok.cluster.max_actor_restarts == 1
+    with pytest.raises(ConfigError, match="set roles.validate.max_retries >= 1"):
+        ray_config(cluster={"max_actor_restarts": 1}, roles=retries, validation={"every_versions": 10})
     with pytest.raises(ConfigError, match="a gloo group cannot take a restarted rank back"):
         ray_config(cluster={"max_actor_restarts": 1, "weight_transport": "dist"}, roles=retries)
 
