@@ -34,11 +34,12 @@ pytestmark = [
 RISE = 0.05
 
 
-def ray_config(tmp_path: Path, *overrides: str) -> TandemConfig:
-    """The default job on Ray, one thread per actor. Without its held-out validation: that role
-    generates on the rollout actors too, and these tests kill them under the training roles."""
+def ray_config(tmp_path: Path, *overrides: str, validation: bool = False) -> TandemConfig:
+    """The default job on Ray, one thread per actor; its held-out validation only if asked (that
+    role generates on the rollout actors too, and most tests here kill them under training)."""
     data = yaml.safe_load(Path("configs/default.yaml").read_text())
-    data.pop("validation", None)
+    if not validation:
+        data.pop("validation", None)
     settings = [
         "cluster.backend=ray",
         "engines.generation_threads=1",
@@ -66,7 +67,11 @@ def test_the_default_job_trains_with_generation_and_training_in_separate_actors(
 ) -> None:
     data = tmp_path / "problems.jsonl"
     data.write_text("".join(json.dumps({"prompt": p["prompt"], "answer": p["answer"]}) + "\n" for p in generate_problems(16, 4242)))
-    cfg = ray_config(tmp_path, "run.max_steps=12", f"task.data_path={data}", "run.name=ray_default")
+    cfg = ray_config(
+        tmp_path, "run.max_steps=12", f"task.data_path={data}", "run.name=ray_default", "validation.every_versions=10",
+        "validation.prompts=16",
+        validation=True,
+    )
     components = build_components(cfg)
     try:
         where = pids(components)
@@ -81,6 +86,7 @@ def test_the_default_job_trains_with_generation_and_training_in_separate_actors(
     first, last = statistics.mean(rewards[:4]), statistics.mean(rewards[-4:])
     assert last >= first + RISE, rewards
     assert (tmp_path / "ray_default" / "checkpoint" / "config.json").is_file()  # written by the trainer actor
+    assert [v.version for v in result.validations] == [0, 10]  # held-out evaluation on the rollout actor
     assert_closed(components)
 
 
