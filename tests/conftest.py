@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
+import time
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
@@ -71,6 +72,21 @@ def run_virtual(coro: Coroutine[Any, Any, T]) -> T:
 @pytest.fixture
 def config() -> TandemConfig:
     return make_config()
+
+
+def wait_until_dead(handle: Any, timeout_s: float = 30.0) -> None:
+    """Return once a killed Ray actor is gone: ``ray.kill`` returns before it is, and a call made
+    in between may still run. Ray offers no event for this, so ask until a call fails."""
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get(handle.__ray_ready__.remote(), timeout=timeout_s)
+        except ray.exceptions.RayActorError:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"actor {handle} still answers {timeout_s} s after it was killed")
 
 
 @pytest.fixture(scope="session")

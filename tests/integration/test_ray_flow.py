@@ -20,6 +20,7 @@ from pipeline import AsyncTrainingFlow
 from pipeline.config import TandemConfig, apply_overrides, validate_config
 from pipeline.records import Sample
 from tasks.arithmetic import MODEL_DIR, generate_problems
+from tests.conftest import wait_until_dead
 
 ray = pytest.importorskip("ray")
 
@@ -58,8 +59,7 @@ def pids(components: Any) -> dict[str, int]:
 
 def assert_closed(components: Any) -> None:
     for actor in [*components.rollout.actors, components.trainer.actor]:
-        with pytest.raises(ray.exceptions.RayActorError):
-            ray.get(actor.handle.ready.remote(), timeout=30)
+        wait_until_dead(actor.handle)
 
 
 def test_the_default_job_trains_with_generation_and_training_in_separate_actors(
