@@ -132,8 +132,15 @@ def test_a_replaced_reward_stage_is_used() -> None:
 
 
 def test_a_failing_stage_stops_the_flow_within_a_second_naming_stage_and_prompt() -> None:
+    # Without logp: it takes turns with train, so a 60 s step could hold prompt 5 back from the
+    # failing stage and the test would measure the lock, not the stop.
     cfg = make_config(
-        flow={"custom_stages": {"reward": "tests.unit.pipeline.stages_for_tests:FailOnPrompt"}, "micro_batch_size": 1},
+        flow={
+            "custom_stages": {"reward": "tests.unit.pipeline.stages_for_tests:FailOnPrompt"},
+            "micro_batch_size": 1,
+            "stages": ["dataloader", "generate", "rollout", "reward", "train"],
+        },
+        algorithm={"decoupled": False},
         engines={
             "generation_latency": {"type": "constant", "mean_s": 0.01},
             "train_step_latency": {"type": "constant", "mean_s": 60.0},  # a step in progress must not delay the stop
