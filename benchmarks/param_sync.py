@@ -49,7 +49,6 @@ import torch
 import torch.distributed as dist
 from rich.console import Console
 from rich.table import Table
-from torch import nn
 
 from param_sync import (
     DistTransport,
@@ -65,30 +64,12 @@ from param_sync import (
     serve_shm,
 )
 from param_sync.bucket import MiB
+from param_sync.synthetic import SyntheticModel, memcpy_gb_per_s
 
 RESULTS = Path(__file__).resolve().parent / "results" / "param_sync.json"
 CTX = mp.get_context("spawn")
-WIDTH = 4096
-ROWS = 1024  # one bf16 matrix: 8 MiB
 SHM_TARGET = 0.5  # shared memory: at least this fraction of memcpy bandwidth
 SWAP_TARGET = 1.0  # swap: at most this many decode steps of stall
-
-
-class Layer(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.full((ROWS, WIDTH), 0.5, dtype=torch.bfloat16))
-        self.norm = nn.Parameter(torch.ones(WIDTH, dtype=torch.float32))
-
-
-class Blob(nn.Module):
-    """A synthetic model of about ``size_mib`` MiB, its pages touched."""
-
-    def __init__(self, size_mib: int) -> None:
-        super().__init__()
-        per_layer = ROWS * WIDTH * 2 + WIDTH * 4
-        self.layers = nn.ModuleList(Layer() for _ in range(max(1, round(size_mib * MiB / per_layer))))
-        self.register_buffer("position_ids", torch.arange(WIDTH, dtype=torch.int64))
 
 
 class CopyingTarget(ModuleTarget):
@@ -102,8 +83,8 @@ class CopyingTarget(ModuleTarget):
 def rollout_target(rollout: str, size_mib: int) -> ModuleTarget:
     """The rollout module's sync target for a row's ``rollout`` column."""
     if rollout == "cuda":
-        return ModuleTarget(Blob(size_mib).cuda(), load_mode="swap")
-    return (ModuleTarget if rollout == "maps" else CopyingTarget)(Blob(size_mib), load_mode="swap")
+        return ModuleTarget(SyntheticModel(size_mib).cuda(), load_mode="swap")
+    return (ModuleTarget if rollout == "maps" else CopyingTarget)(SyntheticModel(size_mib), load_mode="swap")
 
 
 def h2d_gb_per_s(nbytes: int) -> float:
@@ -116,17 +97,6 @@ def h2d_gb_per_s(nbytes: int) -> float:
         t0 = time.perf_counter()
         dst.copy_(src)
         torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t0)
-    return nbytes / best / 1e9
-
-
-def memcpy_gb_per_s(nbytes: int) -> float:
-    src = np.ones(nbytes, np.uint8)
-    dst = np.zeros(nbytes, np.uint8)
-    best = float("inf")
-    for _ in range(3):
-        t0 = time.perf_counter()
-        np.copyto(dst, src)
         best = min(best, time.perf_counter() - t0)
     return nbytes / best / 1e9
 
@@ -163,7 +133,7 @@ def bench_inprocess(size_mib: int, reps: int, bucket_mb: float, rollout: str) ->
     async def run() -> dict[str, float]:
         target = rollout_target(rollout, size_mib)
         transport = InProcessTransport([Receiver(target, consume_bucket_mb=bucket_mb)])
-        syncer = ParamSyncer(ModuleSource(Blob(size_mib)), transport, produce_bucket_mb=bucket_mb)
+        syncer = ParamSyncer(ModuleSource(SyntheticModel(size_mib)), transport, produce_bucket_mb=bucket_mb)
         try:
             return await timed_syncs(syncer, reps)
         finally:
@@ -185,7 +155,7 @@ def bench_shm(size_mib: int, reps: int, bucket_mb: float, rollout: str) -> dict[
 
     async def run() -> dict[str, float]:
         transport = ShmTransport([ours], timeout_s=120)
-        syncer = ParamSyncer(ModuleSource(Blob(size_mib)), transport, produce_bucket_mb=bucket_mb)
+        syncer = ParamSyncer(ModuleSource(SyntheticModel(size_mib)), transport, produce_bucket_mb=bucket_mb)
         try:
             return await timed_syncs(syncer, reps)
         finally:
@@ -202,11 +172,11 @@ def dist_rank(rank: int, init_file: str, size_mib: int, reps: int, bucket_mb: fl
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     try:
         if rank == 1:
-            serve_dist(Receiver(ModuleTarget(Blob(size_mib), load_mode="swap"), consume_bucket_mb=bucket_mb))
+            serve_dist(Receiver(ModuleTarget(SyntheticModel(size_mib), load_mode="swap"), consume_bucket_mb=bucket_mb))
             return
 
         async def run() -> dict[str, float]:
-            syncer = ParamSyncer(ModuleSource(Blob(size_mib)), DistTransport(), produce_bucket_mb=bucket_mb)
+            syncer = ParamSyncer(ModuleSource(SyntheticModel(size_mib)), DistTransport(), produce_bucket_mb=bucket_mb)
             try:
                 return await timed_syncs(syncer, reps)
             finally:
@@ -291,7 +261,7 @@ async def stall_per_update(
 
 def bench_load_mode(mode: str, size_mib: int, updates: int, step_s: float, bucket_mb: float) -> dict[str, float]:
     async def run() -> dict[str, float]:
-        trainer, rollout = Blob(size_mib), Blob(size_mib)
+        trainer, rollout = SyntheticModel(size_mib), SyntheticModel(size_mib)
         if mode == "naive":
             gate = StepGate()
 

@@ -25,7 +25,6 @@ import platform
 import socket
 import statistics
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +33,6 @@ import ray
 import torch
 from rich.console import Console
 from rich.table import Table
-from torch import nn
 
 from param_sync import (
     DistTransport,
@@ -46,6 +44,7 @@ from param_sync import (
     serve_dist,
 )
 from param_sync.bucket import MiB
+from param_sync.synthetic import SyntheticModel, memcpy_gb_per_s
 from param_sync.transports.object_store import (
     ObjectStoreEndpoint,
     ObjectStoreTransport,
@@ -53,27 +52,16 @@ from param_sync.transports.object_store import (
 )
 
 RESULTS = Path(__file__).resolve().parent / "results" / "param_sync_ray.json"
-WIDTH, ROWS = 4096, 1024  # one bf16 matrix: 8 MiB
 PHASES = ("gather_s", "send_s", "load_s", "total_s")
-
-
-class Blob(nn.Module):
-    """A synthetic model of about ``size_mib`` MiB: 8 MiB bf16 matrices with fp32 norms."""
-
-    def __init__(self, size_mib: int) -> None:
-        super().__init__()
-        layers = max(1, round(size_mib * MiB / (ROWS * WIDTH * 2 + WIDTH * 4)))
-        self.weights = nn.ParameterList(torch.full((ROWS, WIDTH), 0.5, dtype=torch.bfloat16) for _ in range(layers))
-        self.norms = nn.ParameterList(torch.ones(WIDTH) for _ in range(layers))
 
 
 @ray.remote(num_cpus=0)
 class Rollout:
-    """A rollout actor's sync endpoints over a Blob, as ``RolloutActor`` has over its engine."""
+    """A rollout actor's sync endpoints over a SyntheticModel, as ``RolloutActor`` has over its engine."""
 
     def __init__(self, size_mib: int, bucket_mb: float) -> None:
         torch.set_num_threads(1)
-        self.receiver = Receiver(ModuleTarget(Blob(size_mib), load_mode="swap"), consume_bucket_mb=bucket_mb)
+        self.receiver = Receiver(ModuleTarget(SyntheticModel(size_mib), load_mode="swap"), consume_bucket_mb=bucket_mb)
         self.endpoint = ObjectStoreEndpoint(self.receiver)
 
     async def begin(self, transfer: int, manifest: Any) -> None:
@@ -97,7 +85,7 @@ class Rollout:
 class Trainer:
     def __init__(self, size_mib: int) -> None:
         torch.set_num_threads(1)
-        self.source = ModuleSource(Blob(size_mib))
+        self.source = ModuleSource(SyntheticModel(size_mib))
 
     def address(self) -> str:
         host = ray.util.get_node_ip_address()
@@ -112,7 +100,7 @@ class Trainer:
             torch.distributed.init_process_group("gloo", init_method=arg, rank=0, world_size=2)
             chosen = DistTransport()
         else:
-            target = ModuleTarget(Blob(arg), load_mode="swap")
+            target = ModuleTarget(SyntheticModel(arg), load_mode="swap")
             chosen = InProcessTransport([Receiver(target, consume_bucket_mb=bucket_mb)])
         syncer = ParamSyncer(self.source, chosen, produce_bucket_mb=bucket_mb)
 
@@ -124,16 +112,6 @@ class Trainer:
             return out[1:]
 
         return asyncio.run(run())
-
-
-def memcpy_gb_per_s(nbytes: int) -> float:
-    src, dst = np.ones(nbytes, np.uint8), np.zeros(nbytes, np.uint8)
-    best = float("inf")
-    for _ in range(3):
-        t0 = time.perf_counter()
-        np.copyto(dst, src)
-        best = min(best, time.perf_counter() - t0)
-    return nbytes / best / 1e9
 
 
 def bench(transport: str, size_mib: int, reps: int, bucket_mb: float) -> dict[str, Any]:
