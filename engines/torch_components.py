@@ -209,12 +209,13 @@ def prompt_budget(config: TandemConfig, tokenizer: Any) -> int:
 
 
 def save_checkpoint(engine: TorchTrainEngine, tokenizer: Any, folder: Path) -> None:
-    """Write the trainer's weights (loadable by ``from_pretrained``), tokenizer and optimizer state."""
+    """Export the trainer's weights and tokenizer, loadable by ``from_pretrained``. The
+    optimizer and everything else a resume needs are in the run's resumable checkpoints
+    (``pipeline.checkpoint``), not here."""
     state = engine.state_dict()
     folder.mkdir(parents=True, exist_ok=True)
     engine.model.save_pretrained(folder, state_dict=state["model"])
     tokenizer.save_pretrained(folder)
-    torch.save({k: v for k, v in state.items() if k != "model"}, folder / "trainer_state.pt")
 
 
 def build_torch_components(config: TandemConfig) -> Components:
