@@ -22,7 +22,7 @@ same mode, and writes ``benchmarks/results/e2e_ray.json``.
     python benchmarks/e2e.py [--steps 60] [--backend local|ray] [--config configs/default.yaml] [key=value ...]
 """
 
-from __future__ import annotations  # noqa: I001 (_bootstrap must come first)
+from __future__ import annotations
 
 import _bootstrap  # noqa: F401  (first: imports resolve to the project)
 import argparse

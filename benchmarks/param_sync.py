@@ -347,7 +347,8 @@ def main() -> None:
     swap_ok = all(r["stall_decode_steps"] <= SWAP_TARGET for r in mode_rows if r["load_mode"] == "swap")
 
     table = Table(title="param sync: end-to-end bandwidth (swap mode, median of reps)")
-    for col in ("transport", "rollout", "MiB", "GB/s", "memcpy GB/s", "% memcpy", "gather s", "checksum s", "send s", "verify s", "load s", "total s"):
+    for col in ("transport", "rollout", "MiB", "GB/s", "memcpy GB/s", "% memcpy",
+                "gather s", "checksum s", "send s", "verify s", "load s", "total s"):  # fmt: skip
         table.add_column(col, justify="right")
     for r in transport_rows:
         table.add_row(

@@ -13,7 +13,7 @@ same size measured in the same run. Writes ``benchmarks/results/param_sync_ray.j
     python benchmarks/param_sync_ray.py [--sizes 100 512] [--reps 5] [--bucket-mb 16]
 """
 
-from __future__ import annotations  # noqa: I001 (_bootstrap must come first)
+from __future__ import annotations
 
 import _bootstrap  # noqa: F401  (first: the package, not a same-named script)
 

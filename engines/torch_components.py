@@ -33,8 +33,8 @@ from pipeline.config import ConfigError, TandemConfig, TorchEnginesConfig
 
 __all__ = [
     "build_torch_components",
-    "prompt_budget",
     "held_out_prompts",
+    "prompt_budget",
     "prompt_source",
     "reference_engine",
     "resolve_model_path",
@@ -109,7 +109,7 @@ def file_prompts(path: Path, tokenizer: Any) -> Any:
     kind = "parquet" if path.suffix == ".parquet" else "json"
     try:
         table = datasets.load_dataset(kind, data_files=str(path), split="train")
-    except Exception as exc:  # noqa: BLE001 - datasets raises many types; name the file
+    except Exception as exc:
         raise ConfigError(f"task.data_path: cannot read {path}: {exc}") from None
     rows: list[tuple[str, str | None]] = []
     for i, row in enumerate(table):

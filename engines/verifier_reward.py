@@ -35,7 +35,7 @@ def _score_batch(verify: Verifier, responses: list[str], answers: list[str | Non
     for response, answer in zip(responses, answers, strict=True):
         try:
             value = verify(response, answer)
-        except Exception as exc:  # noqa: BLE001 - a verifier bug must not take down the batch
+        except Exception as exc:
             out.append((0.0, False, f"verifier raised {type(exc).__name__}: {exc}"))
             continue
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):

@@ -30,10 +30,10 @@ from param_sync.errors import LayoutError
 
 __all__ = [
     "FUSE_NBYTES",
-    "MiB",
     "U64",
     "BucketHeader",
     "Manifest",
+    "MiB",
     "TensorMeta",
     "TensorSlice",
     "checksum",

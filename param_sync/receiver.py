@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from param_sync.bucket import FUSE_NBYTES, MiB, U64, BucketHeader, Manifest, checksum
+from param_sync.bucket import FUSE_NBYTES, U64, BucketHeader, Manifest, MiB, checksum
 from param_sync.errors import StaleVersionError, TransferError
 from param_sync.protocols import MappableTarget, SyncTarget
 

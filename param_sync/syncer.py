@@ -30,15 +30,15 @@ from __future__ import annotations
 
 import asyncio
 import time
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
 
 import numpy as np
 import torch
 
-from param_sync.bucket import ALIGN, FUSE_NBYTES, MiB, U64, BucketHeader, Manifest, checksum, plan_manifest, tensor_bytes
+from param_sync.bucket import ALIGN, FUSE_NBYTES, U64, BucketHeader, Manifest, MiB, checksum, plan_manifest, tensor_bytes
 from param_sync.buffer import BufferHalf, DualBuffer
 from param_sync.errors import GatherError, LayoutError, SyncError, TransferError
 from param_sync.feed import BucketFeed

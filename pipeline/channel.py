@@ -69,8 +69,18 @@ class _State(Generic[T]):
     """Shared state of one channel. Waiters are futures, woken in FIFO order."""
 
     __slots__ = (
-        "name", "capacity", "buffer", "closed", "broken", "senders", "receivers",
-        "max_depth", "items_sent", "items_received", "send_wait_s", "receive_wait_s",
+        "broken",
+        "buffer",
+        "capacity",
+        "closed",
+        "items_received",
+        "items_sent",
+        "max_depth",
+        "name",
+        "receive_wait_s",
+        "receivers",
+        "send_wait_s",
+        "senders",
     )
 
     def __init__(self, name: str, capacity: int) -> None:

@@ -16,9 +16,9 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 __all__ = [
-    "ConfigError",
     "AlgorithmConfig",
     "ClusterConfig",
+    "ConfigError",
     "FakeEnginesConfig",
     "FaultSpec",
     "FlowConfig",
@@ -27,8 +27,8 @@ __all__ = [
     "RoleConfig",
     "RunConfig",
     "StalenessConfig",
-    "TaskConfig",
     "TandemConfig",
+    "TaskConfig",
     "TorchEnginesConfig",
     "ValidationConfig",
     "apply_overrides",

@@ -75,7 +75,7 @@ class StageError(RuntimeError):
 
     def __init__(self, stage: str, prompt_ids: Sequence[int], cause: BaseException) -> None:
         ids = list(prompt_ids)
-        shown = ids if len(ids) <= 8 else ids[:8] + ["..."]
+        shown = ids if len(ids) <= 8 else [*ids[:8], "..."]
         super().__init__(f"stage {stage!r} failed on prompt(s) {shown}: {type(cause).__name__}: {cause}")
         self.stage = stage
         self.prompt_ids = ids
@@ -184,7 +184,7 @@ class StateMachine:
             return await self._attempts(policy, fn)
         except _INVARIANT_ERRORS:
             raise
-        except Exception as exc:  # noqa: BLE001 - the policy decides; CancelledError passes
+        except Exception as exc:
             if policy.on_error == "drop":
                 await self.drop(items, f"{type(exc).__name__}: {exc}")
                 return None

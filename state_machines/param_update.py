@@ -49,7 +49,7 @@ class ParamUpdateStateMachine(StateMachine):
         while True:
             self.set_state(State.WAITING_INPUT)
             target = await clock.wait_trained_beyond(clock.loaded)
-            report = await self.work([], lambda: sync.sync(target))
+            report = await self.work([], lambda: sync.sync(target))  # noqa: B023 (called within this iteration)
             if report is None:
                 await self._failed(target)
                 continue

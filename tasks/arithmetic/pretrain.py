@@ -103,7 +103,7 @@ class _BatchStream:
             a, b = sample_operands(self._rng)
             prompt_ids = self._tokenizer(format_prompt(a, b))["input_ids"]
             response_ids = self._tokenizer(format_response(a, b), add_special_tokens=False)["input_ids"]
-            examples.append((prompt_ids, response_ids + [self._tokenizer.eos_token_id]))
+            examples.append((prompt_ids, [*response_ids, self._tokenizer.eos_token_id]))
         examples.sort(key=lambda e: len(e[0]) + len(e[1]))
         batches = [
             self._collate(examples[i : i + self._batch_size])
@@ -159,12 +159,12 @@ def evaluate(
         chunk = problems[start : start + batch_size]
         inputs = tokenizer([p["prompt"] for p in chunk], return_tensors="pt", padding=True)
         output = model.generate(**inputs, max_new_tokens=MAX_RESPONSE_TOKENS, **sampling)
-        for problem, row in zip(chunk, output[:, inputs["input_ids"].shape[1] :]):
+        for problem, row in zip(chunk, output[:, inputs["input_ids"].shape[1] :], strict=True):
             rewards.append(verify(tokenizer.decode(row, skip_special_tokens=True), problem["answer"]))
             lengths.append(int((row != tokenizer.pad_token_id).sum()))
     model.train()
     by_columns: dict[int, list[float]] = defaultdict(list)
-    for problem, reward in zip(problems, rewards):
+    for problem, reward in zip(problems, rewards, strict=True):
         operands = problem["prompt"].removesuffix("=\n").split("+")
         by_columns[max(len(x) for x in operands)].append(reward)
     return Accuracy(

@@ -15,7 +15,7 @@ from transformers import PreTrainedTokenizerFast
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)
 # Space is unused by the reference format but kept so hand-written prompts with spaces encode.
-CHARACTERS = tuple("0123456789") + ("+", "=", " ", "\n")
+CHARACTERS = (*tuple("0123456789"), "+", "=", " ", "\n")
 VOCAB: dict[str, int] = {token: i for i, token in enumerate(SPECIAL_TOKENS + CHARACTERS)}
 # Long enough for any prompt plus the longest reference response; the model's RoPE table
 # (max_position_embeddings) is sized from the same number.

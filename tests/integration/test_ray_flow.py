@@ -66,7 +66,8 @@ def test_the_default_job_trains_with_generation_and_training_in_separate_actors(
     ray_cluster: Any, tmp_path: Path
 ) -> None:
     data = tmp_path / "problems.jsonl"
-    data.write_text("".join(json.dumps({"prompt": p["prompt"], "answer": p["answer"]}) + "\n" for p in generate_problems(16, 4242)))
+    problems = generate_problems(16, 4242)
+    data.write_text("".join(json.dumps({"prompt": p["prompt"], "answer": p["answer"]}) + "\n" for p in problems))
     cfg = ray_config(
         tmp_path, "run.max_steps=12", f"task.data_path={data}", "run.name=ray_default", "validation.every_versions=10",
         "validation.prompts=16",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from engines.tokenizer import load_tokenizer
 from tasks.arithmetic import MODEL_DIR, format_prompt
 from tasks.arithmetic.tokenizer import build_tokenizer

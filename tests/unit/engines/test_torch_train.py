@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from tiny_lm import save_tiny_model
 
 from algorithms.batch import LossInputs
 from algorithms.losses import LossConfig, compute_policy_loss
@@ -18,7 +19,6 @@ from engines.protocols import GenerationRequest, LogProbEngine, SamplingParams, 
 from engines.torch_microbatch import plan_micro_batches
 from engines.torch_train import LossFn, LossMeanOver, TorchLogProbEngine, TorchTrainEngine
 from pipeline.records import FinishReason, PromptGroup, RolloutGroup, Sample
-from tiny_lm import save_tiny_model
 
 
 def pg_loss(inputs: LossInputs) -> tuple[torch.Tensor, dict[str, float]]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import param_sync
-from param_sync import bucket, buffer, errors, feed, module, protocols, receiver, synthetic, syncer, transports
+from param_sync import bucket, buffer, errors, feed, module, protocols, receiver, syncer, synthetic, transports
 from param_sync.transports import dist, inprocess, messages, shm
 
 MODULES = (bucket, buffer, errors, feed, module, protocols, receiver, synthetic, syncer, dist, inprocess, messages, shm)

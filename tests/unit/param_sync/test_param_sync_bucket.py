@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -18,7 +20,9 @@ from param_sync.bucket import (
 )
 from param_sync.errors import LayoutError
 
-DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.int8, torch.uint8, torch.bool]
+DTYPES = [
+    torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.int8, torch.uint8, torch.bool,
+]  # fmt: skip
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -73,7 +77,7 @@ def test_buckets_and_pieces_cover_every_tensor_byte_exactly_once(sizes: list[int
     stream = np.arange(manifest.total_nbytes, dtype=np.uint64).astype(np.uint8)
     ranges = [manifest.bucket_range(seq) for seq in range(manifest.bucket_count)]
     edges = [0, *(hi for _, hi in ranges)]
-    assert ranges == list(zip(edges[:-1], edges[1:], strict=True))  # contiguous, in order
+    assert ranges == list(itertools.pairwise(edges))  # contiguous, in order
     assert edges[-1] == manifest.total_nbytes
     assert all(hi - lo <= bucket for lo, hi in ranges)
     rebuilt = {t.name: bytearray(t.nbytes) for t in manifest.tensors}

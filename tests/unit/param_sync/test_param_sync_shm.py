@@ -134,7 +134,8 @@ def test_a_rollout_that_misses_the_timeout_is_given_up_and_its_pipe_closed() -> 
     ours, theirs = CTX.Pipe()
     transport = ShmTransport([ours], timeout_s=0.2)
     named = list(ModuleSource(trainer).named_tensors_for_sync())
-    manifest = plan_manifest([(n, t.dtype, tuple(t.shape), t.numel() * t.element_size()) for n, t in named], bucket_nbytes=64, version=1)
+    entries = [(n, t.dtype, tuple(t.shape), t.numel() * t.element_size()) for n, t in named]
+    manifest = plan_manifest(entries, bucket_nbytes=64, version=1)
     half = transport.allocate(manifest.total_nbytes)
     try:
         (first,) = transport.send(manifest, half, [])

@@ -110,7 +110,13 @@ def test_a_lowered_bound_holds_new_admissions_and_raising_it_wakes_them() -> Non
 
 @pytest.mark.parametrize(
     ("knob", "value", "k"),
-    [("max_staleness", 2, 2), ("max_head_offpolicyness", 2, 2), ("async_generation_ratio", 2.0, 2), ("generate_ahead_steps", 3, 2), ("generate_ahead_steps", 1, 0)],
+    [
+        ("max_staleness", 2, 2),
+        ("max_head_offpolicyness", 2, 2),
+        ("async_generation_ratio", 2.0, 2),
+        ("generate_ahead_steps", 3, 2),
+        ("generate_ahead_steps", 1, 0),
+    ],
 )
 def test_peer_aliases_mean_the_same_bound(knob: str, value: float, k: int) -> None:
     assert validate_config({"staleness": {knob: value}}).staleness.k == k
