@@ -64,8 +64,8 @@ from rich.console import Console
 from rich.table import Table
 
 from pipeline import AsyncTrainingFlow, validate_config
-from pipeline.config import FAULT_ROLES
-from pipeline.history import StepRecord
+from core.config import FAULT_ROLES
+from core.history import StepRecord
 
 RESULTS = Path(__file__).parent / "results" / "soak.json"
 
@@ -104,20 +104,20 @@ def soak_config(args: argparse.Namespace) -> Any:
 def kept_record_filters() -> list[tracemalloc.Filter]:
     """Filters that leave out the allocations of the records the run keeps by design."""
     import engines.fake
-    import pipeline.history
-    import pipeline.ledger
-    import pipeline.staleness
+    import core.history
+    import core.ledger
+    import core.staleness
     import state_machines.base
     import state_machines.dataloader
     import state_machines.param_update
     import state_machines.train
     import state_machines.validate
 
-    kept = (state_machines.train, state_machines.param_update, state_machines.validate, pipeline.history, pipeline.ledger)
+    kept = (state_machines.train, state_machines.param_update, state_machines.validate, core.history, core.ledger)
     filters = [tracemalloc.Filter(False, m.__file__) for m in (*kept, sys.modules[__name__], tracemalloc)]
     held_by_records = [
         (state_machines.dataloader, "self.position += 1"),  # prompt ids
-        (pipeline.staleness, "self._frontier += 1"),  # the steps drop records keep
+        (core.staleness, "self._frontier += 1"),  # the steps drop records keep
         (engines.fake, 'return {"loss": 0.0'),  # the fake trainer's metrics
         (state_machines.base, 'await self.drop(items, f"'),  # drop reasons
         (looptime_loops, "return None if time is None else time / self.__resolution_reciprocal"),  # time stamps

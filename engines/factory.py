@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import importlib.util
 
-from pipeline.components import Components
-from pipeline.config import ConfigError, TandemConfig
+from core.components import Components
+from core.config import ConfigError, TandemConfig
 
 __all__ = ["build_components"]
 

@@ -2,7 +2,7 @@
 
 They implement the same protocols as the real engines, shipped as real code (as httpx ships
 ``MockTransport``): the whole flow runs on them without torch. Durations are drawn from
-:class:`~pipeline.config.LatencySpec` distributions with a seeded RNG and spent with
+:class:`~core.config.LatencySpec` distributions with a seeded RNG and spent with
 ``asyncio.sleep``, so under a virtual clock (looptime) a 512-worker run takes seconds and is
 deterministic.
 
@@ -33,10 +33,10 @@ from collections import deque
 from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 
-from engines.protocols import GenerationRequest, RewardResult, SamplingParams, SyncReport
-from pipeline.components import Components, SourcePrompt
-from pipeline.config import FakeEnginesConfig, FaultSpec, LatencySpec, TandemConfig
-from pipeline.records import FinishReason, ResumePolicy, RolloutGroup, Sample
+from core.protocols import GenerationRequest, RewardResult, SamplingParams, SyncReport
+from core.components import Components, SourcePrompt
+from core.config import FakeEnginesConfig, FaultSpec, LatencySpec, TandemConfig
+from core.records import FinishReason, ResumePolicy, RolloutGroup, Sample
 
 __all__ = [
     "FakeReward",

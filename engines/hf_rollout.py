@@ -47,12 +47,12 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from engines.protocols import GenerationRequest
+from core.protocols import GenerationRequest
 from engines.threads import apply_thread_budget
 from engines.tokenizer import load_tokenizer
 from engines.torch_weights import unique_weights
 from param_sync import LayoutError, LoadMode, Manifest, StaleVersionError, SyncError, TensorSlice
-from pipeline.records import FinishReason, ResumePolicy, Sample
+from core.records import FinishReason, ResumePolicy, Sample
 
 __all__ = ["EngineClosedError", "HFRolloutEngine", "HFSyncTarget", "NamedTensors"]
 
@@ -207,7 +207,7 @@ def _merge(blocks: list[_Batch]) -> _Batch:
 class HFRolloutEngine:
     """Samples sequences from a transformers causal LM on one dedicated decode thread.
 
-    Implements :class:`engines.protocols.RolloutEngine`. Several concurrent ``generate()``
+    Implements :class:`core.protocols.RolloutEngine`. Several concurrent ``generate()``
     calls share one continuous batch of at most ``max_batch_size`` rows.
     """
 

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import ray
 
-from engines.protocols import GenerationRequest, RewardResult, SyncReport
+from core.protocols import GenerationRequest, RewardResult, SyncReport
 from param_sync.bucket import BucketHeader, Manifest
 from param_sync.receiver import LoadReport, Receiver
 from param_sync.transports.object_store import (
@@ -41,8 +41,8 @@ from param_sync.transports.object_store import (
     ObjectStoreTransport,
     RemoteReceiver,
 )
-from pipeline.config import TandemConfig
-from pipeline.records import RolloutGroup, Sample
+from core.config import TandemConfig
+from core.records import RolloutGroup, Sample
 
 __all__ = ["ReferenceActor", "RewardActor", "RolloutActor", "TrainerActor"]
 

@@ -3,7 +3,7 @@ drives in-process.
 
 What it owns: the connection to the cluster (it starts a local one when ``cluster.address`` is
 None and none is running, and stops what it started), one placement group realising the
-:class:`~pipeline.resources.ResourcePlan` (a bundle per used device slot), the actors, and thin
+:class:`~core.resources.ResourcePlan` (a bundle per used device slot), the actors, and thin
 async proxies (:class:`RayRolloutEngine`, :class:`RayTrainEngine`, :class:`RayLogProbEngine`,
 :class:`RayReward`, :class:`RayWeightSync`). The state machines stay in the driver's event loop
 and ``await`` the actors' ObjectRefs there: no blocking ``ray.get``, no polling.
@@ -42,12 +42,12 @@ from ray.util.placement_group import (
 )
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from engines.protocols import GenerationRequest, RewardResult, SyncReport
+from core.protocols import GenerationRequest, RewardResult, SyncReport
 from engines.ray_actors import ReferenceActor, RewardActor, RolloutActor, TrainerActor
-from pipeline.components import Components
-from pipeline.config import TandemConfig, TorchEnginesConfig
-from pipeline.records import RolloutGroup, Sample
-from pipeline.resources import ActorPlacement, ResourcePlan, plan_resources
+from core.components import Components
+from core.config import TandemConfig, TorchEnginesConfig
+from core.records import RolloutGroup, Sample
+from core.resources import ActorPlacement, ResourcePlan, plan_resources
 
 __all__ = [
     "ActorFailedError",

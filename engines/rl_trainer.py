@@ -14,8 +14,8 @@ from pathlib import Path
 
 from algorithms import LossConfig, compute_advantages, compute_policy_loss
 from engines.torch_train import TorchTrainEngine
-from pipeline.config import AlgorithmConfig
-from pipeline.records import RolloutGroup, Sample
+from core.config import AlgorithmConfig
+from core.records import RolloutGroup, Sample
 
 __all__ = ["RLTrainer", "loss_config"]
 

@@ -22,14 +22,14 @@ from typing import Any
 import torch
 
 from engines.hf_rollout import HFRolloutEngine
-from engines.protocols import SamplingParams
+from core.protocols import SamplingParams
 from engines.rl_trainer import RLTrainer
 from engines.tokenizer import load_tokenizer
 from engines.torch_sync import TorchWeightSync
 from engines.torch_train import TorchLogProbEngine, TorchTrainEngine
 from engines.verifier_reward import VerifierReward
-from pipeline.components import Components, SourcePrompt
-from pipeline.config import ConfigError, TandemConfig, TorchEnginesConfig
+from core.components import Components, SourcePrompt
+from core.config import ConfigError, TandemConfig, TorchEnginesConfig
 
 __all__ = [
     "build_torch_components",
@@ -211,7 +211,7 @@ def prompt_budget(config: TandemConfig, tokenizer: Any) -> int:
 def save_checkpoint(engine: TorchTrainEngine, tokenizer: Any, folder: Path) -> None:
     """Export the trainer's weights and tokenizer, loadable by ``from_pretrained``. The
     optimizer and everything else a resume needs are in the run's resumable checkpoints
-    (``pipeline.checkpoint``), not here."""
+    (``core.checkpoint``), not here."""
     state = engine.state_dict()
     folder.mkdir(parents=True, exist_ok=True)
     engine.model.save_pretrained(folder, state_dict=state["model"])

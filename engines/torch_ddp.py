@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 
 from engines.threads import apply_thread_budget
-from pipeline.records import Sample
+from core.records import Sample
 
 if TYPE_CHECKING:
     from engines.torch_train import LossFn, StepTotals, TorchTrainEngine

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pipeline.records import Sample
+from core.records import Sample
 
 __all__ = ["MicroBatch", "collate", "plan_micro_batches", "response_logprobs"]
 

@@ -29,7 +29,7 @@ from collections.abc import Iterator
 import torch
 
 from engines.hf_rollout import HFRolloutEngine, HFSyncTarget
-from engines.protocols import SyncReport
+from core.protocols import SyncReport
 from engines.torch_train import TorchTrainEngine
 from param_sync import GatherError, InProcessTransport, LoadMode, ParamSyncer, Receiver
 
@@ -61,7 +61,7 @@ class TrainerSyncSource:
 
 
 class TorchWeightSync:
-    """``engines.protocols.WeightSync`` over a :class:`~param_sync.ParamSyncer` whose source is
+    """``core.protocols.WeightSync`` over a :class:`~param_sync.ParamSyncer` whose source is
     a :class:`TrainerSyncSource`. Loads the trainer's version at the time of the sync, which
     may be newer than the one asked for, and reports it.
 

@@ -47,7 +47,7 @@ from algorithms.batch import LossInputs
 from engines.threads import budgeted_executor
 from engines.torch_microbatch import MicroBatch, collate, plan_micro_batches, response_logprobs
 from engines.torch_weights import unique_weights
-from pipeline.records import RolloutGroup, Sample
+from core.records import RolloutGroup, Sample
 
 if TYPE_CHECKING:
     from engines.torch_ddp import DataParallelRanks

@@ -21,8 +21,8 @@ import multiprocessing.pool
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from engines.protocols import RewardResult
-from pipeline.records import Sample
+from core.protocols import RewardResult
+from core.records import Sample
 
 __all__ = ["VerifierReward"]
 

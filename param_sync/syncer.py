@@ -1,4 +1,4 @@
-"""ParamSyncer: the trainer-side driver of a weight sync (``engines.protocols.WeightSync``).
+"""ParamSyncer: the trainer-side driver of a weight sync (``core.protocols.WeightSync``).
 
 One ``sync(version)`` runs the path gather -> bucketize -> dual buffer -> transport -> load:
 a gather thread copies each full tensor from the :class:`SyncSource` into the inactive half of

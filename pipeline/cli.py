@@ -20,9 +20,9 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from pipeline.config import ConfigError, TandemConfig, load_config
+from core.config import ConfigError, TandemConfig, load_config
 from pipeline.flow import AsyncTrainingFlow, FlowResult
-from pipeline.history import StepRecord
+from core.history import StepRecord
 from pipeline.logs import configure_logging
 from state_machines.base import StageError
 

@@ -7,7 +7,7 @@ one :class:`StageError`, naming the stage and its prompts), and stops when the t
 done ``max_steps``: every admitted group has then been trained or dropped, so cancelling the
 remaining tasks loses nothing. No task outlives ``run()``.
 
-Checkpoints (``pipeline.checkpoint``): the train role writes one every ``run.save_steps``, the
+Checkpoints (``core.checkpoint``): the train role writes one every ``run.save_steps``, the
 flow one at the end and one at a clean stop (cancellation, e.g. Ctrl-C), where the prompts in
 flight are saved to be generated again and recorded in this run's ledger as cancelled at
 shutdown. With ``run.resume`` the flow starts from a checkpoint: its version (clock and gate
@@ -26,17 +26,17 @@ from typing import Any
 import structlog
 
 from engines.factory import build_components
-from pipeline.channel import BrokenChannel, ChannelStatistics, ReceiveChannel, SendChannel, open_channel
-from pipeline.checkpoint import Checkpointer, FlowState, trim_metrics
-from pipeline.components import Components
-from pipeline.config import TandemConfig
-from pipeline.history import ModeChange, RunHistory, StepRecord, SyncRecord, ValidationRecord
-from pipeline.ledger import DropRecord, Ledger
+from core.channel import BrokenChannel, ChannelStatistics, ReceiveChannel, SendChannel, open_channel
+from core.checkpoint import Checkpointer, FlowState, trim_metrics
+from core.components import Components
+from core.config import TandemConfig
+from core.history import ModeChange, RunHistory, StepRecord, SyncRecord, ValidationRecord
+from core.ledger import DropRecord, Ledger
 from pipeline.metrics import FlowMetrics
 from pipeline.report import plot_run
-from pipeline.resources import colocated_groups
-from pipeline.staleness import StalenessGate, VersionClock
-from pipeline.trace import TraceRecorder
+from core.resources import colocated_groups
+from core.staleness import StalenessGate, VersionClock
+from core.trace import TraceRecorder
 from state_machines.base import FlowServices, StageError, StateMachine
 from state_machines.registry import create_role_state_machine
 from state_machines.train import TrainStateMachine

@@ -27,10 +27,10 @@ from prometheus_client import CollectorRegistry, Gauge, Histogram, start_http_se
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from pipeline.channel import ReceiveChannel
-from pipeline.history import StepRecord, ValidationRecord
-from pipeline.ledger import Ledger
-from pipeline.staleness import StalenessGate, VersionClock
+from core.channel import ReceiveChannel
+from core.history import StepRecord, ValidationRecord
+from core.ledger import Ledger
+from core.staleness import StalenessGate, VersionClock
 
 if TYPE_CHECKING:
     from state_machines.base import StateMachine

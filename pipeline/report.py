@@ -11,7 +11,7 @@ from pathlib import Path
 
 import structlog
 
-from pipeline.history import StepRecord
+from core.history import StepRecord
 
 __all__ = ["plot_run"]
 

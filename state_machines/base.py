@@ -29,17 +29,17 @@ from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 import structlog
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential
 
-from pipeline.channel import EndOfStream, ReceiveChannel, SendChannel
-from pipeline.config import RoleConfig, TandemConfig
-from pipeline.history import RunHistory
-from pipeline.ledger import Ledger, LedgerError
-from pipeline.records import PromptGroup, RolloutGroup, Sample
-from pipeline.staleness import StalenessGate, StalenessViolation, VersionClock
-from pipeline.trace import TraceRecorder
+from core.channel import EndOfStream, ReceiveChannel, SendChannel
+from core.config import RoleConfig, TandemConfig
+from core.history import RunHistory
+from core.ledger import Ledger, LedgerError
+from core.records import PromptGroup, RolloutGroup, Sample
+from core.staleness import StalenessGate, StalenessViolation, VersionClock
+from core.trace import TraceRecorder
 
 if TYPE_CHECKING:
-    from pipeline.checkpoint import Checkpointer, FlowState
-    from pipeline.components import Components
+    from core.checkpoint import Checkpointer, FlowState
+    from core.components import Components
 
 __all__ = ["FlowServices", "Stage", "StageError", "State", "StateMachine"]
 

@@ -11,7 +11,7 @@ every prompt from the data position on, so no prompt is skipped and none is admi
 
 from __future__ import annotations
 
-from pipeline.records import PromptGroup
+from core.records import PromptGroup
 from state_machines.base import State, StateMachine
 
 __all__ = ["DataloaderStateMachine"]

@@ -23,9 +23,9 @@ import contextlib
 from collections import deque
 from collections.abc import AsyncIterator
 
-from engines.protocols import GenerationRequest
-from pipeline.records import PromptGroup
-from pipeline.staleness import Admission
+from core.protocols import GenerationRequest
+from core.records import PromptGroup
+from core.staleness import Admission
 from state_machines.base import StageError, State, StateMachine
 from state_machines.messages import Generation
 

@@ -8,8 +8,8 @@ trainer's weights), so a score never straddles an optimizer step.
 
 from __future__ import annotations
 
-from engines.protocols import LogProbEngine
-from pipeline.records import RolloutGroup, Sample
+from core.protocols import LogProbEngine
+from core.records import RolloutGroup, Sample
 from state_machines.base import Stage
 
 __all__ = ["LogPStateMachine", "score"]

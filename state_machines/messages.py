@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipeline.records import PromptGroup, Sample
+from core.records import PromptGroup, Sample
 
 __all__ = ["Generation"]
 

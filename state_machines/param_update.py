@@ -26,7 +26,7 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any
 
-from pipeline.history import ModeChange
+from core.history import ModeChange
 from state_machines.base import State, StateMachine
 
 __all__ = ["ParamUpdateStateMachine"]

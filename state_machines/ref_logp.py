@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pipeline.records import RolloutGroup
+from core.records import RolloutGroup
 from state_machines.base import Stage
 from state_machines.logp import score
 

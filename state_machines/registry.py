@@ -12,7 +12,7 @@ import importlib
 from collections.abc import Mapping
 from typing import Any
 
-from pipeline.channel import ReceiveChannel, SendChannel
+from core.channel import ReceiveChannel, SendChannel
 from state_machines.base import FlowServices, StateMachine
 from state_machines.dataloader import DataloaderStateMachine
 from state_machines.generate import GenerateStateMachine

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import math
 
-from engines.protocols import RewardResult
-from pipeline.records import RolloutGroup
+from core.protocols import RewardResult
+from core.records import RolloutGroup
 from state_machines.base import Stage
 
 __all__ = ["RewardStateMachine"]

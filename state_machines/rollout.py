@@ -7,7 +7,7 @@ bounded by the groups in flight, and a group dropped anywhere is discarded here 
 
 from __future__ import annotations
 
-from pipeline.records import RolloutGroup, Sample
+from core.records import RolloutGroup, Sample
 from state_machines.base import FlowServices, Stage
 from state_machines.messages import Generation
 

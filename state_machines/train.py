@@ -16,8 +16,8 @@ import asyncio
 from collections.abc import Coroutine
 from typing import Any
 
-from pipeline.history import StepRecord
-from pipeline.records import RolloutGroup
+from core.history import StepRecord
+from core.records import RolloutGroup
 from state_machines.base import StateMachine
 
 __all__ = ["TrainStateMachine"]

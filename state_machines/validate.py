@@ -4,7 +4,7 @@ Schedule (``validation.every_versions = N``): the role waits, event-driven, for 
 version to reach the next multiple of N (0 first: the policy before any RL step), then
 generates one sample per held-out prompt with the rollout engine, scores them with the reward,
 and records the result tagged with the weight version every sample started with
-(:class:`~pipeline.history.ValidationRecord`; a weight update that lands mid-evaluation is
+(:class:`~core.history.ValidationRecord`; a weight update that lands mid-evaluation is
 reported as ``max_token_version``). Versions it fell behind on are skipped, never queued, and
 one evaluation runs at a time. An evaluation still running when training ends is cancelled and
 not recorded.
@@ -23,9 +23,9 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-from engines.protocols import GenerationRequest, RewardResult
-from pipeline.history import ValidationRecord
-from pipeline.records import Sample
+from core.protocols import GenerationRequest, RewardResult
+from core.history import ValidationRecord
+from core.records import Sample
 from state_machines.base import State, StateMachine
 from state_machines.generate import request_seed
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from itertools import islice
 
-from engines.protocols import GenerationRequest
-from pipeline.components import Components
-from pipeline.config import TandemConfig
-from pipeline.records import PromptGroup, RolloutGroup
+from core.protocols import GenerationRequest
+from core.components import Components
+from core.config import TandemConfig
+from core.records import PromptGroup, RolloutGroup
 from state_machines.generate import request_seed
 
 

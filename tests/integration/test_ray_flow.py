@@ -15,10 +15,10 @@ import pytest
 import yaml
 
 from engines.factory import build_components
-from engines.protocols import GenerationRequest
+from core.protocols import GenerationRequest
 from pipeline import AsyncTrainingFlow
-from pipeline.config import TandemConfig, apply_overrides, validate_config
-from pipeline.records import Sample
+from core.config import TandemConfig, apply_overrides, validate_config
+from core.records import Sample
 from tasks.arithmetic import MODEL_DIR, generate_problems
 from tests.conftest import wait_until_dead
 

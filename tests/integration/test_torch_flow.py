@@ -12,8 +12,8 @@ import torch
 from engines.rl_trainer import RLTrainer
 from engines.torch_components import build_torch_components
 from pipeline import AsyncTrainingFlow
-from pipeline.config import TandemConfig, validate_config
-from pipeline.records import RolloutGroup
+from core.config import TandemConfig, validate_config
+from core.records import RolloutGroup
 from tasks.arithmetic import MAX_RESPONSE_TOKENS, MODEL_DIR
 from tests.conftest import merge
 from tests.integration.sync_baseline import synchronous_baseline
@@ -119,7 +119,7 @@ ON_CUDA = pytest.param(
 
 @pytest.mark.parametrize("device", ["cpu", ON_CUDA])
 def test_the_default_job_on_a_reduced_budget_raises_held_out_accuracy(tmp_path: Any, device: str) -> None:
-    from pipeline.config import load_config
+    from core.config import load_config
     from tasks.arithmetic import generate_problems
 
     cfg = load_config(

@@ -6,7 +6,7 @@ import typing
 
 from algorithms import ADVANTAGE_ESTIMATORS, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
 from engines.rl_trainer import loss_config
-from pipeline.config import AlgorithmConfig
+from core.config import AlgorithmConfig
 
 
 def literal_values(field: str) -> set[str]:

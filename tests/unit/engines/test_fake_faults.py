@@ -8,8 +8,8 @@ import asyncio
 import pytest
 
 from engines.fake import InjectedFault, build_fake_components
-from engines.protocols import GenerationRequest, SamplingParams
-from pipeline.records import FinishReason, PromptGroup, RolloutGroup, Sample
+from core.protocols import GenerationRequest, SamplingParams
+from core.records import FinishReason, PromptGroup, RolloutGroup, Sample
 from tests.conftest import make_config, run_virtual
 
 FIXED = {"type": "constant", "mean_s": 1.0}
@@ -83,7 +83,7 @@ def test_a_fault_spec_with_zero_rates_changes_nothing() -> None:
 
 
 def test_an_unknown_fault_role_is_named() -> None:
-    from pipeline.config import ConfigError
+    from core.config import ConfigError
 
     with pytest.raises(ConfigError, match="engines.fake.faults.rollout"):
         make_config(engines={"faults": {"rollout": {"failure_rate": 0.1}}})

@@ -13,9 +13,9 @@ import torch
 from tiny_lm import EOS_ID, decode, encode
 
 from engines.hf_rollout import EngineClosedError, HFRolloutEngine
-from engines.protocols import GenerationRequest, RolloutEngine, SamplingParams
+from core.protocols import GenerationRequest, RolloutEngine, SamplingParams
 from engines.torch_train import TorchLogProbEngine
-from pipeline.records import FinishReason, ResumePolicy, Sample
+from core.records import FinishReason, ResumePolicy, Sample
 
 PROMPTS = ["1+2=", "34+5=", "6=", "78+90=", "b", "12+3=", "c+d=", "4"]
 

@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 
 from engines.fake import FakeRolloutEngine, LatencySampler
-from engines.protocols import GenerationRequest, SamplingParams
-from pipeline.config import LatencySpec
-from pipeline.records import Sample
+from core.protocols import GenerationRequest, SamplingParams
+from core.config import LatencySpec
+from core.records import Sample
 
 ray = pytest.importorskip("ray")
 

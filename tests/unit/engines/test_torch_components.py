@@ -12,7 +12,7 @@ import pytest
 
 from engines.tokenizer import load_tokenizer
 from engines.torch_components import build_torch_components, file_prompts, prompt_budget, thread_budgets
-from pipeline.config import ConfigError, TandemConfig, validate_config
+from core.config import ConfigError, TandemConfig, validate_config
 from tasks.arithmetic import MODEL_DIR
 
 

@@ -27,7 +27,7 @@ from algorithms.batch import LossInputs
 from algorithms.losses import LossConfig, compute_policy_loss
 from engines.torch_ddp import TrainRankError, balance
 from engines.torch_train import LossMeanOver, TorchTrainEngine
-from pipeline.records import RolloutGroup
+from core.records import RolloutGroup
 
 pytestmark = pytest.mark.timeout(60)
 

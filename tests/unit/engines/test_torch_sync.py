@@ -23,7 +23,7 @@ from tiny_lm import encode, save_tiny_model
 
 from algorithms.batch import LossInputs
 from engines.hf_rollout import HFRolloutEngine, HFSyncTarget
-from engines.protocols import GenerationRequest, SamplingParams, WeightSync
+from core.protocols import GenerationRequest, SamplingParams, WeightSync
 from engines.torch_sync import TorchWeightSync, TrainerSyncSource
 from engines.torch_train import TorchLogProbEngine, TorchTrainEngine
 from engines.torch_weights import unique_weights
@@ -39,7 +39,7 @@ from param_sync import (
     SyncTarget,
     TransferError,
 )
-from pipeline.records import FinishReason, PromptGroup, ResumePolicy, RolloutGroup, Sample
+from core.records import FinishReason, PromptGroup, ResumePolicy, RolloutGroup, Sample
 
 # Small buckets and pieces: the ~300 KB tiny model crosses in several of each.
 BUCKETS = {"produce_bucket_mb": 0.05, "consume_bucket_mb": 0.02}

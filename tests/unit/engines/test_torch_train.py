@@ -15,10 +15,10 @@ from tiny_lm import save_tiny_model
 from algorithms.batch import LossInputs
 from algorithms.losses import LossConfig, compute_policy_loss
 from engines.hf_rollout import HFRolloutEngine
-from engines.protocols import GenerationRequest, LogProbEngine, SamplingParams, TrainEngine
+from core.protocols import GenerationRequest, LogProbEngine, SamplingParams, TrainEngine
 from engines.torch_microbatch import plan_micro_batches
 from engines.torch_train import LossFn, LossMeanOver, TorchLogProbEngine, TorchTrainEngine
-from pipeline.records import FinishReason, PromptGroup, RolloutGroup, Sample
+from core.records import FinishReason, PromptGroup, RolloutGroup, Sample
 
 
 def pg_loss(inputs: LossInputs) -> tuple[torch.Tensor, dict[str, float]]:

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from engines.verifier_reward import VerifierReward
-from pipeline.records import FinishReason, Sample
+from core.records import FinishReason, Sample
 from tests.unit.engines.verifiers_for_tests import exact
 
 

@@ -19,7 +19,7 @@ from param_sync_models import (
     raw_state,
 )
 
-from engines.protocols import WeightSync
+from core.protocols import WeightSync
 from param_sync import (
     GatherError,
     InProcessTransport,

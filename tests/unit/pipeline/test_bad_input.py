@@ -8,10 +8,10 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from engines.fake import FakeTrainEngine, build_fake_components
-from engines.protocols import RewardResult
+from core.protocols import RewardResult
 from pipeline import AsyncTrainingFlow
-from pipeline.components import SourcePrompt
-from pipeline.records import RolloutGroup, Sample
+from core.components import SourcePrompt
+from core.records import RolloutGroup, Sample
 from tests.conftest import make_config, run_virtual
 
 

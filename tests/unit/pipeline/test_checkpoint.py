@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 
 from pipeline import AsyncTrainingFlow
-from pipeline.checkpoint import CheckpointError, find_checkpoint, verify_checkpoint
-from pipeline.config import TandemConfig
+from core.checkpoint import CheckpointError, find_checkpoint, verify_checkpoint
+from core.config import TandemConfig
 from pipeline.flow import CANCELLED_AT_SHUTDOWN, FlowResult
 from tests.conftest import make_config, run_virtual
 

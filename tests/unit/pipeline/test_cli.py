@@ -14,7 +14,7 @@ import structlog
 
 from pipeline import AsyncTrainingFlow
 from pipeline.cli import CONFIGS_DIR, main, summary_line
-from pipeline.config import load_config
+from core.config import load_config
 from tests.conftest import make_config, run_virtual
 
 REPO = Path(__file__).resolve().parents[3]

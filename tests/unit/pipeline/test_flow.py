@@ -13,9 +13,9 @@ import pytest
 
 from engines.fake import FakeTrainEngine, build_fake_components
 from pipeline import AsyncTrainingFlow
-from pipeline.components import Components
-from pipeline.config import TandemConfig
-from pipeline.records import RolloutGroup
+from core.components import Components
+from core.config import TandemConfig
+from core.records import RolloutGroup
 from state_machines.base import StageError
 from tests.conftest import make_config, run_virtual
 

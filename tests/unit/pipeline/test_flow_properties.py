@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from engines.fake import build_fake_components
 from pipeline import AsyncTrainingFlow
-from pipeline.config import FAULT_ROLES
+from core.config import FAULT_ROLES
 from tests.conftest import make_config, run_virtual
 from tests.unit.pipeline.test_flow import RecordingTrainer
 

@@ -22,7 +22,7 @@ def test_every_name_in_all_is_importable_and_listed_once(package: str) -> None:
 
 def test_the_core_imports_without_torch_or_ray() -> None:
     code = (
-        "import pipeline, pipeline.config, pipeline.flow, state_machines.registry, engines.fake; import sys; "
+        "import pipeline, core.config, pipeline.flow, state_machines.registry, engines.fake; import sys; "
         "assert 'torch' not in sys.modules and 'ray' not in sys.modules, "
         "sorted(m for m in ('torch', 'ray') if m in sys.modules)"
     )

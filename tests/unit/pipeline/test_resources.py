@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from pipeline.config import ConfigError, validate_config
-from pipeline.resources import colocated_groups, plan_resources
+from core.config import ConfigError, validate_config
+from core.resources import colocated_groups, plan_resources
 from tests.conftest import merge
 
 STAGES = ["dataloader", "generate", "rollout", "logp", "reward", "train"]

@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from pipeline.config import ConfigError, validate_config
-from pipeline.staleness import StalenessGate, StalenessViolation, VersionClock
+from core.config import ConfigError, validate_config
+from core.staleness import StalenessGate, StalenessViolation, VersionClock
 from tests.conftest import run_virtual
 
 

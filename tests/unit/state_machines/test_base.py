@@ -7,12 +7,12 @@ import asyncio
 import pytest
 
 from engines.fake import build_fake_components
-from pipeline.channel import open_channel
-from pipeline.history import RunHistory
-from pipeline.ledger import Ledger
-from pipeline.records import PromptGroup
-from pipeline.staleness import StalenessGate, VersionClock
-from pipeline.trace import TraceRecorder
+from core.channel import open_channel
+from core.history import RunHistory
+from core.ledger import Ledger
+from core.records import PromptGroup
+from core.staleness import StalenessGate, VersionClock
+from core.trace import TraceRecorder
 from state_machines.base import FlowServices, Stage, StageError, State, StateMachine
 from tests.conftest import make_config, run_virtual
 

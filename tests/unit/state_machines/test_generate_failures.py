@@ -9,9 +9,9 @@ from collections.abc import AsyncIterator, Sequence
 import pytest
 
 from engines.fake import build_fake_components
-from engines.protocols import GenerationRequest
+from core.protocols import GenerationRequest
 from pipeline import AsyncTrainingFlow
-from pipeline.records import Sample
+from core.records import Sample
 from state_machines.base import StageError
 from tests.conftest import make_config
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 
 from engines.fake import FakeWeightSync, InjectedFault, build_fake_components
-from engines.protocols import SyncReport
+from core.protocols import SyncReport
 from pipeline import AsyncTrainingFlow, FlowResult
-from pipeline.config import ConfigError, TandemConfig
-from pipeline.history import StepRecord
+from core.config import ConfigError, TandemConfig
+from core.history import StepRecord
 from state_machines.base import StageError
 from tests.conftest import make_config, run_virtual
 

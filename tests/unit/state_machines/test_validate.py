@@ -10,8 +10,8 @@ import pytest
 
 from engines.fake import build_fake_components
 from pipeline import AsyncTrainingFlow
-from pipeline.config import ConfigError
-from pipeline.history import StepRecord
+from core.config import ConfigError
+from core.history import StepRecord
 from state_machines.base import StageError
 from state_machines.validate import VALIDATION_IDS
 from tests.conftest import make_config, run_virtual

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
-from pipeline.records import RolloutGroup, Sample
+from core.records import RolloutGroup, Sample
 
 
 @dataclass(slots=True, frozen=True)

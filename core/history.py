@@ -105,7 +105,7 @@ class RunHistory:
         self.staleness_counts: Counter[int] = Counter()
         self._listeners: list[Callable[[StepRecord], None]] = []
         self._validation_listeners: list[Callable[[ValidationRecord], None]] = []
-        # append: a resumed run continues its file (``pipeline.checkpoint.trim_metrics``).
+        # append: a resumed run continues its file (``core.checkpoint.trim_metrics``).
         self._jsonl = jsonl_path.open("a" if append else "w") if jsonl_path is not None else None
 
     def on_step(self, listener: Callable[[StepRecord], None]) -> None:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from engines.protocols import LogProbEngine, Reward, RolloutEngine, SamplingParams, TrainEngine, WeightSync
+from core.protocols import LogProbEngine, Reward, RolloutEngine, SamplingParams, TrainEngine, WeightSync
 
 __all__ = ["Components", "PromptSource", "SourcePrompt"]
 
