@@ -1,14 +1,16 @@
-"""Outcome-reward advantage estimators over prompt groups.
+"""Outcome-reward advantage estimators over prompt groups (numpy, no torch).
 
 Owns the map from the scalar rewards of each group (one prompt sampled ``n`` times) to one
-advantage per sample; the train role broadcasts a sample's advantage over its tokens.
+advantage per sample; the train role computes them and the loss broadcasts each over its
+sample's trained actions. numpy rather than torch: rewards are a handful of floats per group,
+and the train role runs this for every workload and engine, fakes included, without torch.
 
-Every estimator takes ``rewards_by_group`` (a sequence of 1-D reward sequences or tensors,
-one per group) and returns one 1-D float tensor per group, same order and lengths. Invariants:
+Every estimator takes ``rewards_by_group`` (a sequence of 1-D reward sequences or arrays, one
+per group) and returns one 1-D float64 array per group, same order and lengths. Invariants:
 - outputs are finite; rewards that are not finite, or empty groups, raise ValueError;
 - a group whose rewards are all equal carries no learning signal: for the group-baselined
   estimators (GRPO, RLOO) its advantages are exactly 0, never NaN;
-- the estimators are pure: no state, inputs are not modified, no gradient is tracked.
+- the estimators are pure: no state, inputs are not modified.
 """
 
 from __future__ import annotations
@@ -16,30 +18,35 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import torch
+import numpy as np
 
-RewardGroup = Sequence[float] | torch.Tensor
-AdvantageEstimator = Callable[..., list[torch.Tensor]]
+__all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "AdvantageEstimator",
+    "RewardGroup",
+    "compute_advantages",
+    "grpo_advantages",
+    "reinforce_advantages",
+    "rloo_advantages",
+]
+
+RewardGroup = Sequence[float] | np.ndarray
+AdvantageEstimator = Callable[..., list[np.ndarray]]
 
 
-def _as_groups(rewards_by_group: Sequence[RewardGroup]) -> list[torch.Tensor]:
-    groups: list[torch.Tensor] = []
+def _as_groups(rewards_by_group: Sequence[RewardGroup]) -> list[np.ndarray]:
+    groups: list[np.ndarray] = []
     for i, rewards in enumerate(rewards_by_group):
-        group = torch.as_tensor(rewards).detach()
-        if not group.is_floating_point():
-            group = group.to(torch.get_default_dtype())
-        if group.dim() != 1 or group.numel() == 0:
-            raise ValueError(
-                f"group {i}: rewards must be a non-empty 1-D sequence, "
-                f"got shape {tuple(group.shape)}"
-            )
-        if not torch.isfinite(group).all():
+        group = np.array(rewards, dtype=np.float64)  # a copy: inputs are never modified
+        if group.ndim != 1 or group.size == 0:
+            raise ValueError(f"group {i}: rewards must be a non-empty 1-D sequence, got shape {group.shape}")
+        if not np.isfinite(group).all():
             raise ValueError(f"group {i}: rewards must be finite, got {group.tolist()}")
         groups.append(group)
     return groups
 
 
-def _all_equal(group: torch.Tensor) -> bool:
+def _all_equal(group: np.ndarray) -> bool:
     # Checked explicitly rather than trusting std == 0: the float mean of equal values can be
     # off by one ulp, and (tiny deviation) / eps would then be a sizeable made-up advantage.
     return bool((group == group[0]).all())
@@ -47,7 +54,7 @@ def _all_equal(group: torch.Tensor) -> bool:
 
 def grpo_advantages(
     rewards_by_group: Sequence[RewardGroup], *, normalize_std: bool = True, eps: float = 1e-6
-) -> list[torch.Tensor]:
+) -> list[np.ndarray]:
     """Group-normalised advantages of GRPO (Shao et al. 2024, "DeepSeekMath").
 
     ``A_i = (r_i - mean(r)) / (std(r) + eps)`` within each group, with the unbiased (Bessel)
@@ -60,17 +67,17 @@ def grpo_advantages(
     """
     if eps <= 0:
         raise ValueError(f"eps must be > 0, got {eps}")
-    advantages: list[torch.Tensor] = []
+    advantages: list[np.ndarray] = []
     for group in _as_groups(rewards_by_group):
-        if group.numel() == 1 or _all_equal(group):
-            advantages.append(torch.zeros_like(group))
+        if group.size == 1 or _all_equal(group):
+            advantages.append(np.zeros_like(group))
             continue
         centred = group - group.mean()
-        advantages.append(centred / (group.std() + eps) if normalize_std else centred)
+        advantages.append(centred / (group.std(ddof=1) + eps) if normalize_std else centred)
     return advantages
 
 
-def rloo_advantages(rewards_by_group: Sequence[RewardGroup]) -> list[torch.Tensor]:
+def rloo_advantages(rewards_by_group: Sequence[RewardGroup]) -> list[np.ndarray]:
     """REINFORCE Leave-One-Out (Ahmadian et al. 2024, "Back to Basics: Revisiting
     REINFORCE Style Optimization for Learning from Human Feedback in LLMs"; Kool et al. 2019).
 
@@ -81,19 +88,19 @@ def rloo_advantages(rewards_by_group: Sequence[RewardGroup]) -> list[torch.Tenso
     Invariants: each group's advantages sum to 0; equal rewards give zeros; a group needs
     at least two samples (otherwise ValueError: there is no one left to leave out).
     """
-    advantages: list[torch.Tensor] = []
+    advantages: list[np.ndarray] = []
     for i, group in enumerate(_as_groups(rewards_by_group)):
-        n = group.numel()
+        n = group.size
         if n < 2:
             raise ValueError(f"group {i}: RLOO needs at least 2 samples per group, got {n}")
         if _all_equal(group):
-            advantages.append(torch.zeros_like(group))
+            advantages.append(np.zeros_like(group))
             continue
         advantages.append((group - group.mean()) * (n / (n - 1)))
     return advantages
 
 
-def reinforce_advantages(rewards_by_group: Sequence[RewardGroup]) -> list[torch.Tensor]:
+def reinforce_advantages(rewards_by_group: Sequence[RewardGroup]) -> list[np.ndarray]:
     """REINFORCE with a batch-mean baseline (Williams 1992, "Simple statistical
     gradient-following algorithms for connectionist reinforcement learning").
 
@@ -103,7 +110,7 @@ def reinforce_advantages(rewards_by_group: Sequence[RewardGroup]) -> list[torch.
     groups = _as_groups(rewards_by_group)
     if not groups:
         return []
-    baseline = torch.cat(groups).mean()
+    baseline = np.concatenate(groups).mean()
     return [group - baseline for group in groups]
 
 
@@ -114,9 +121,7 @@ ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
 }
 
 
-def compute_advantages(
-    name: str, rewards_by_group: Sequence[RewardGroup], **options: Any
-) -> list[torch.Tensor]:
+def compute_advantages(name: str, rewards_by_group: Sequence[RewardGroup], **options: Any) -> list[np.ndarray]:
     """Advantages of every group with the estimator registered as ``name``.
 
     ``options`` go to the estimator as keyword arguments (e.g. ``normalize_std``, ``eps`` for
@@ -125,7 +130,5 @@ def compute_advantages(
     try:
         estimator = ADVANTAGE_ESTIMATORS[name]
     except KeyError:
-        raise ValueError(
-            f"unknown advantage estimator {name!r}; allowed: {sorted(ADVANTAGE_ESTIMATORS)}"
-        ) from None
+        raise ValueError(f"unknown advantage estimator {name!r}; allowed: {sorted(ADVANTAGE_ESTIMATORS)}") from None
     return estimator(rewards_by_group, **options)

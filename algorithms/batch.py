@@ -11,6 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
+__all__ = [
+    "LossInputs",
+]
 
 @dataclass(slots=True)
 class LossInputs:

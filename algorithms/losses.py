@@ -2,9 +2,10 @@
 
 Owns the map from one micro-batch of token-aligned tensors to a scalar loss and its metrics:
 :func:`compute_policy_loss` resolves which policy the ratio is taken against, applies the
-behaviour importance weight, dispatches to a per-token loss from :data:`POLICY_LOSSES`, adds
-the KL penalty and aggregates. The per-token losses only see ``(logprobs, log_ratio,
-advantages, cfg)``, so every loss gets decoupling, padding and KL handling the same way.
+behaviour importance weight (a mismatch correction from :mod:`algorithms.corrections`),
+dispatches to a per-token loss from :data:`POLICY_LOSSES`, adds the KL penalty and aggregates.
+The per-token losses only see ``(logprobs, log_ratio, advantages, cfg)``, so every loss gets
+decoupling, corrections, padding and KL handling the same way.
 
 Notation, per token: ``A`` advantage, ``r = exp(log pi_theta - log pi_anchor)`` the ratio,
 ``sg`` stop-gradient. The anchor is the proximal policy ``pi_prox`` when ``cfg.decoupled``
@@ -15,9 +16,29 @@ Fu et al. 2025, "AReaL: A Large-Scale Asynchronous Reinforcement Learning System
 Language Reasoning") separates the two roles the "old" policy plays: the trust region is
 around ``pi_prox`` (log-probs recomputed by the trainer), and the off-policy correction is
 the behaviour weight ``w = pi_prox / pi_behav`` that multiplies each token's loss. ``w`` is
-capped at ``behaviour_weight_cap``: ``"clamp"`` uses ``min(w, cap)``; ``"mask"`` (AReaL's
-choice) gives weight 0 to tokens with ``w > cap`` -- they stay in the aggregation's
-denominator, exactly as a zero weight would.
+corrected by :func:`~algorithms.corrections.behaviour_importance_weights` with the settings
+``behaviour_weight_level`` (token, sequence or geometric ratio), ``behaviour_weight_mode``
+(``"clamp"``: truncated IS; ``"mask"``: masked IS, AReaL's choice) and the band
+``[behaviour_weight_floor, behaviour_weight_cap]`` (a two-sided token mask is IcePop). The
+defaults (token, mask, no floor, cap 5) are AReaL's decoupled loss. Masked tokens stay in the
+aggregation's denominator, exactly as a zero weight would. The corrections act only in the
+decoupled loss: with ``decoupled=False`` the anchor is ``pi_behav`` and every ratio-based loss
+already weights by ``pi_theta / pi_behav`` (PPO's clipped ratio, the truncated weights of tis,
+topr and cispo), so a second behaviour weight would count the gap twice; the
+``behaviour_weight_*`` settings then do nothing.
+
+Tokens that are never trained, each counted in a metric instead of failing silently:
+- a real token whose behaviour, proximal or reference log-prob is not finite
+  (``nonfinite_fraction``): ``-inf - (-inf)`` is NaN, and NaN passes a ``w > cap`` test as
+  False, so without this one such token made the whole loss NaN; AReaL sanitises the same
+  log-ratio (``areal/utils/functional/functional.py``), we mask the token rather than give it
+  weight 1;
+- a token with ``|log pi_theta - log pi_anchor| > 20`` (``out_of_range_fraction``): ``exp``
+  must stay finite, and the clamp that used to do it silently zeroed such a token's PPO
+  gradient (while adding up to ``e^20 |A|`` to the loss's value) and let the other losses train
+  it on a meaningless weight;
+- tokens outside the correction's band (``masked_fraction``).
+All three stay in the aggregation's denominator with loss 0 and no gradient, in every term.
 
 Invariants:
 - padding (``mask == 0``) contributes nothing to the loss, its gradient or the metrics, even
@@ -26,98 +47,83 @@ Invariants:
   ``prox_logprobs`` raises ValueError, and a KL penalty with missing ``ref_logprobs`` too;
 - only ``logprobs`` receives gradient; every other input is treated as data;
 - a micro-batch without real tokens gives a loss of 0 that is still part of the graph;
-- rate metrics (clip fraction, mean ratio, ...) are token means over real tokens whatever
-  the loss aggregation.
+- rate metrics (clip fraction, masked fraction, ...) are token means over real tokens whatever
+  the loss aggregation; ``ratio_mean`` and ``approx_kl_behaviour`` are means over the tokens
+  that were scored (real, finite, in range).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Literal, Protocol, get_args
 
 import torch
 
 from algorithms.batch import LossInputs
-from algorithms.kl import KL_ESTIMATORS, compute_kl, kl_k3
+from algorithms.corrections import (
+    CORRECTION_MODES,
+    CorrectionMode,
+    behaviour_importance_weights,
+    behaviour_weight_metrics,
+)
+from algorithms.kl import KL_LOSS_ESTIMATORS, MAX_LOG_RATIO, compute_kl, importance_weighted_kl, k3_clamped, kl_k3
+
+__all__ = [
+    "AGGREGATIONS",
+    "BEHAVIOUR_WEIGHT_MODES",
+    "POLICY_LOSSES",
+    "Aggregation",
+    "BehaviourWeightMode",
+    "LossSettings",
+    "PolicyLossFn",
+    "TokenLoss",
+    "aggregate_loss",
+    "cispo_loss",
+    "compute_policy_loss",
+    "get_policy_loss",
+    "kimi15_loss",
+    "ppo_loss",
+    "tis_loss",
+    "topr_loss",
+    "vanilla_loss",
+]
 
 Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
-BehaviourWeightMode = Literal["clamp", "mask"]
 AGGREGATIONS: tuple[str, ...] = get_args(Aggregation)
-BEHAVIOUR_WEIGHT_MODES: tuple[str, ...] = get_args(BehaviourWeightMode)
-
-# exp(20) ~ 4.9e8: every loss here has truncated such a ratio long before; the clamp keeps
-# exp() finite so a single wild token cannot make the loss or its gradient inf/NaN.
-_MAX_LOG_RATIO = 20.0
+# The behaviour weight's modes are the corrections' ("clamp": truncated IS, "mask": masked IS).
+BehaviourWeightMode = CorrectionMode
+BEHAVIOUR_WEIGHT_MODES: tuple[str, ...] = CORRECTION_MODES
 
 
-@dataclass(frozen=True, slots=True)
-class LossConfig:
-    """Which policy loss to use and its parameters; validated on construction.
+class LossSettings(Protocol):
+    """What the losses read from their configuration: the attributes, by these names.
 
-    A field only matters to the losses named in its comment; the others ignore it.
+    One type serves: ``core.config.AlgorithmConfig`` (the run config's ``algorithm`` section,
+    which validates every value and documents each field) has exactly these attributes, and
+    any object with them (a dataclass, a ``SimpleNamespace``) works in pure use. A field only
+    matters to the losses named in its comment; the others ignore it.
     """
 
-    name: str = "ppo"  # a key of POLICY_LOSSES
-    clip_eps_low: float = 0.2  # ppo: ratio clipped below at 1 - clip_eps_low
-    clip_eps_high: float = 0.2  # ppo: ratio clipped above at 1 + clip_eps_high (DAPO: 0.28)
-    dual_clip_c: float | None = None  # ppo: dual-clip constant c > 1 (Ye et al. 2020: 3)
-    decoupled: bool = True  # all: anchor on pi_prox and weight tokens by pi_prox / pi_behav
-    behaviour_weight_cap: float = 5.0  # decoupled: cap on pi_prox / pi_behav (AReaL uses 5)
-    behaviour_weight_mode: BehaviourWeightMode = "mask"  # decoupled: "clamp" or "mask" above cap
-    tis_cap: float = 1.0  # tis: upper truncation of the ratio (ROLL's default bound)
-    topr_positive_weight: float = 1.0  # topr: coefficient of the A > 0 (SFT-like) term
-    topr_negative_weight: float = 1.0  # topr: coefficient of the A <= 0 (truncated IS) term
-    cispo_eps_low: float = 1.0  # cispo: IS weight floor 1 - eps; 1.0 = none, as in MiniMax-M1
-    cispo_eps_high: float = 0.2  # cispo: IS weight ceiling 1 + eps
-    kimi15_tau: float = 0.1  # kimi15: coefficient of the squared log-ratio penalty
-    kl_estimator: str | None = None  # all: "k1" | "k2" | "k3" against ref_logprobs, or None
-    kl_coef: float = 0.0  # all: weight of the KL term; > 0 needs kl_estimator
-    aggregation: Aggregation = "token-mean"
-
-    def __post_init__(self) -> None:
-        get_policy_loss(self.name)
-        if not 0.0 <= self.clip_eps_low <= 1.0 or self.clip_eps_high < 0.0:
-            raise ValueError(
-                "clip_eps_low must be in [0, 1] and clip_eps_high >= 0, got "
-                f"{self.clip_eps_low}, {self.clip_eps_high}"
-            )
-        if self.dual_clip_c is not None and self.dual_clip_c <= 1.0:
-            raise ValueError(f"dual_clip_c must be > 1 (Ye et al. 2020), got {self.dual_clip_c}")
-        if self.behaviour_weight_cap < 1.0:
-            raise ValueError(
-                "behaviour_weight_cap must be >= 1 (a lower cap would cut on-policy tokens), "
-                f"got {self.behaviour_weight_cap}"
-            )
-        if self.behaviour_weight_mode not in BEHAVIOUR_WEIGHT_MODES:
-            raise ValueError(
-                f"behaviour_weight_mode must be one of {list(BEHAVIOUR_WEIGHT_MODES)}, "
-                f"got {self.behaviour_weight_mode!r}"
-            )
-        if self.tis_cap <= 0.0:
-            raise ValueError(f"tis_cap must be > 0, got {self.tis_cap}")
-        if self.topr_positive_weight < 0.0 or self.topr_negative_weight < 0.0:
-            raise ValueError("topr_positive_weight and topr_negative_weight must be >= 0")
-        if not 0.0 <= self.cispo_eps_low <= 1.0 or self.cispo_eps_high < 0.0:
-            raise ValueError(
-                "cispo_eps_low must be in [0, 1] and cispo_eps_high >= 0, got "
-                f"{self.cispo_eps_low}, {self.cispo_eps_high}"
-            )
-        if self.kimi15_tau < 0.0:
-            raise ValueError(f"kimi15_tau must be >= 0, got {self.kimi15_tau}")
-        if self.kl_estimator is not None and self.kl_estimator not in KL_ESTIMATORS:
-            raise ValueError(
-                f"unknown kl_estimator {self.kl_estimator!r}; allowed: {sorted(KL_ESTIMATORS)}"
-            )
-        if self.kl_coef < 0.0 or (self.kl_coef > 0.0 and self.kl_estimator is None):
-            raise ValueError(
-                f"kl_coef must be >= 0, and > 0 only with a kl_estimator; got {self.kl_coef} "
-                f"with kl_estimator={self.kl_estimator!r}"
-            )
-        if self.aggregation not in AGGREGATIONS:
-            raise ValueError(
-                f"aggregation must be one of {list(AGGREGATIONS)}, got {self.aggregation!r}"
-            )
+    loss: str  # a key of POLICY_LOSSES
+    clip_eps_low: float  # ppo: ratio clipped below at 1 - clip_eps_low
+    clip_eps_high: float  # ppo: ratio clipped above at 1 + clip_eps_high (DAPO: 0.28)
+    dual_clip_c: float | None  # ppo: dual-clip constant c > 1 (Ye et al. 2020: 3)
+    decoupled: bool  # all: anchor on pi_prox and weight tokens by pi_prox / pi_behav
+    behaviour_weight_level: str  # decoupled: ratio per "token", or per "sequence" (product) or "geometric" (mean)
+    behaviour_weight_mode: str  # decoupled: "clamp" (truncated IS) or "mask" (masked IS) outside the band
+    behaviour_weight_cap: float  # decoupled: upper end of the band (AReaL uses 5)
+    behaviour_weight_floor: float | None  # decoupled: lower end of the band, None = none (IcePop: 0.5)
+    tis_cap: float  # tis: upper truncation of the ratio (ROLL's default bound)
+    topr_positive_weight: float  # topr: coefficient of the A > 0 (SFT-like) term
+    topr_negative_weight: float  # topr: coefficient of the A <= 0 (truncated IS) term
+    cispo_eps_low: float  # cispo: IS weight floor 1 - eps; 1.0 = none, as in MiniMax-M1
+    cispo_eps_high: float  # cispo: IS weight ceiling 1 + eps
+    kimi15_tau: float  # kimi15: coefficient of the squared log-ratio penalty
+    kl_estimator: str | None  # all: a key of KL_LOSS_ESTIMATORS ("k2" | "k3") against ref_logprobs, or None
+    kl_coef: float  # all: weight of the KL term; > 0 needs kl_estimator
+    kl_importance_weight: bool  # decoupled: KL term times pi_theta / pi_behav (DeepSeek-V3.2's unbiased KL)
+    aggregation: str  # "token-mean" | "seq-mean-token-mean" | "seq-mean-token-sum"
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,7 +136,7 @@ class TokenLoss:
 
 
 # (logprobs, log_ratio, advantages, cfg) -> TokenLoss; log_ratio = log pi_theta - log pi_anchor.
-PolicyLossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, LossConfig], TokenLoss]
+PolicyLossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, LossSettings], TokenLoss]
 
 
 def _all_false(like: torch.Tensor) -> torch.Tensor:
@@ -138,7 +144,7 @@ def _all_false(like: torch.Tensor) -> torch.Tensor:
 
 
 def ppo_loss(
-    logprobs: torch.Tensor, log_ratio: torch.Tensor, advantages: torch.Tensor, cfg: LossConfig
+    logprobs: torch.Tensor, log_ratio: torch.Tensor, advantages: torch.Tensor, cfg: LossSettings
 ) -> TokenLoss:
     """PPO clipped surrogate (Schulman et al. 2017), with optional dual clip (Ye et al. 2020,
     "Mastering Complex Control in MOBA Games with Deep Reinforcement Learning").
@@ -163,7 +169,7 @@ def ppo_loss(
 
 
 def vanilla_loss(
-    logprobs: torch.Tensor, log_ratio: torch.Tensor, advantages: torch.Tensor, cfg: LossConfig
+    logprobs: torch.Tensor, log_ratio: torch.Tensor, advantages: torch.Tensor, cfg: LossSettings
 ) -> TokenLoss:
     """Plain policy gradient, REINFORCE (Williams 1992); ROLL's ``vanilla``.
 
@@ -173,13 +179,15 @@ def vanilla_loss(
 
 
 def tis_loss(
-    logprobs: torch.Tensor, log_ratio: torch.Tensor, advantages: torch.Tensor, cfg: LossConfig
+    logprobs: torch.Tensor, log_ratio: torch.Tensor, advantages: torch.Tensor, cfg: LossSettings
 ) -> TokenLoss:
     """Truncated importance sampling policy gradient; ROLL's ``tis`` (cf. Yao et al. 2025,
     "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training").
 
     ``loss = -sg(min(r, tis_cap)) * A * log pi_theta``: REINFORCE re-weighted by the ratio,
-    truncated above so that no token's weight exceeds the cap (ROLL's default cap is 1).
+    truncated above so that no token's weight exceeds the cap (ROLL's default cap is 1). Under
+    decoupled PPO the token's loss is also multiplied by the behaviour weight ``w``, so its total
+    weight is ``w * min(pi_theta / pi_prox, tis_cap)``.
     """
     ratio = log_ratio.detach().exp()
     weight = ratio.clamp(max=cfg.tis_cap)
@@ -187,7 +195,7 @@ def tis_loss(
 
 
 def topr_loss(
-    logprobs: torch.Tensor, log_ratio: torch.Tensor, advantages: torch.Tensor, cfg: LossConfig
+    logprobs: torch.Tensor, log_ratio: torch.Tensor, advantages: torch.Tensor, cfg: LossSettings
 ) -> TokenLoss:
     """Tapered Off-Policy REINFORCE (Le Roux et al. 2025, "Tapered Off-Policy REINFORCE:
     Stable and efficient reinforcement learning for LLMs"); ROLL's ``topr``.
@@ -196,7 +204,8 @@ def topr_loss(
     and ``-w_neg * sg(clip(r, 0, 1)) * A * log pi_theta`` on the others (truncated IS).
     ROLL splits on the sign of the raw score; LossInputs carries advantages only, so the
     split here is ``A > 0``. With binary rewards and a group baseline the two agree.
-    ``clipped`` marks the negative tokens whose ratio was truncated at 1.
+    ``clipped`` marks the negative tokens whose ratio was truncated at 1. Under decoupled PPO
+    both terms are also multiplied by the behaviour weight ``w`` (the positive one too).
     """
     ratio = log_ratio.detach().exp()
     positive = advantages > 0
@@ -209,14 +218,15 @@ def topr_loss(
 
 
 def cispo_loss(
-    logprobs: torch.Tensor, log_ratio: torch.Tensor, advantages: torch.Tensor, cfg: LossConfig
+    logprobs: torch.Tensor, log_ratio: torch.Tensor, advantages: torch.Tensor, cfg: LossSettings
 ) -> TokenLoss:
     """Clipped IS-weight Policy Optimization (MiniMax 2025, "MiniMax-M1: Scaling Test-Time
     Compute Efficiently with Lightning Attention"); ROLL's ``cispo``.
 
     ``loss = -sg(clip(r, 1 - eps_low, 1 + eps_high)) * A * log pi_theta``: the importance
     weight is clipped instead of the update, so every token keeps a gradient (PPO drops the
-    clipped ones, often the rare "reflection" tokens).
+    clipped ones, often the rare "reflection" tokens). Under decoupled PPO the token's loss is
+    also multiplied by the behaviour weight ``w``.
     """
     ratio = log_ratio.detach().exp()
     low, high = 1.0 - cfg.cispo_eps_low, 1.0 + cfg.cispo_eps_high
@@ -227,7 +237,7 @@ def cispo_loss(
 
 
 def kimi15_loss(
-    logprobs: torch.Tensor, log_ratio: torch.Tensor, advantages: torch.Tensor, cfg: LossConfig
+    logprobs: torch.Tensor, log_ratio: torch.Tensor, advantages: torch.Tensor, cfg: LossSettings
 ) -> TokenLoss:
     """Kimi k1.5's policy mirror-descent surrogate (Kimi Team 2025, "Kimi k1.5: Scaling
     Reinforcement Learning with LLMs", eq. 3); ROLL's ``kimi15``.
@@ -295,95 +305,132 @@ def _token_mean(values: torch.Tensor, real: torch.Tensor) -> float:
     return (values.sum() / real.sum().clamp(min=1)).item()
 
 
-def _check_inputs(inputs: LossInputs, cfg: LossConfig) -> None:
+def _check_inputs(inputs: LossInputs, cfg: LossSettings) -> None:
     if inputs.logprobs.dim() != 2:
-        raise ValueError(
-            f"logprobs must be [rows, tokens], got shape {tuple(inputs.logprobs.shape)}"
-        )
-    for field in (
-        "behaviour_logprobs", "advantages", "mask", "prox_logprobs", "ref_logprobs", "entropy"
-    ):
+        raise ValueError(f"logprobs must be [rows, tokens], got shape {tuple(inputs.logprobs.shape)}")
+    for field in ("behaviour_logprobs", "advantages", "mask", "prox_logprobs", "ref_logprobs", "entropy"):
         tensor = getattr(inputs, field)
         if tensor is not None and tensor.shape != inputs.logprobs.shape:
-            raise ValueError(
-                f"{field} has shape {tuple(tensor.shape)}, logprobs {tuple(inputs.logprobs.shape)}"
-            )
+            raise ValueError(f"{field} has shape {tuple(tensor.shape)}, logprobs {tuple(inputs.logprobs.shape)}")
     if cfg.decoupled and inputs.prox_logprobs is None:
         raise ValueError(
-            "decoupled loss (LossConfig.decoupled=True) needs prox_logprobs, the proximal "
+            "decoupled loss (algorithm.decoupled=True) needs prox_logprobs, the proximal "
             "policy's log-probs recomputed by the trainer, but got None; refusing to use a "
             "behaviour weight of 1. Recompute them, or set decoupled=False to anchor on the "
             "behaviour log-probs."
+        )
+    if cfg.kl_estimator is not None and cfg.kl_estimator not in KL_LOSS_ESTIMATORS:
+        raise ValueError(
+            f"kl_estimator={cfg.kl_estimator!r} cannot be a loss: its gradient is zero in expectation "
+            f"(it belongs in the reward); a KL loss takes one of {sorted(KL_LOSS_ESTIMATORS)}"
         )
     if cfg.kl_estimator is not None and inputs.ref_logprobs is None:
         raise ValueError(
             f"KL penalty (kl_estimator={cfg.kl_estimator!r}) needs ref_logprobs from the "
             "reference model, but got None; compute them or set kl_estimator=None."
         )
+    if cfg.kl_importance_weight and not cfg.decoupled:
+        raise ValueError(
+            "kl_importance_weight=True weights the KL term by the behaviour weight, which only "
+            "the decoupled loss computes; set decoupled=True or kl_importance_weight=False."
+        )
 
 
-def compute_policy_loss(
-    inputs: LossInputs, cfg: LossConfig
-) -> tuple[torch.Tensor, dict[str, float]]:
+def _finite_inputs(inputs: LossInputs, cfg: LossSettings) -> torch.Tensor:
+    """Bool per token: every detached log-prob the configured terms read is finite there."""
+    finite = torch.isfinite(inputs.behaviour_logprobs)
+    if cfg.decoupled:
+        assert inputs.prox_logprobs is not None  # checked by _check_inputs
+        finite &= torch.isfinite(inputs.prox_logprobs)
+    if cfg.kl_estimator is not None:
+        assert inputs.ref_logprobs is not None  # checked by _check_inputs
+        finite &= torch.isfinite(inputs.ref_logprobs)
+    return finite
+
+
+def compute_policy_loss(inputs: LossInputs, cfg: LossSettings) -> tuple[torch.Tensor, dict[str, float]]:
     """The scalar loss of one micro-batch and its metrics.
 
     ``loss = aggregate(w * policy_loss) + kl_coef * aggregate(kl(pi_theta, pi_ref))`` with
-    ``w`` the capped behaviour weight when decoupled (else 1 by configuration).
+    ``w`` the corrected behaviour weight when decoupled (else 1 by configuration), over the
+    scored tokens (real, finite inputs, ``|log pi_theta - log pi_anchor| <= 20``); with
+    ``kl_importance_weight`` the KL term is ``w * pi_theta / pi_prox`` times the estimate, with
+    the ratio's gradient (:func:`algorithms.kl.importance_weighted_kl`).
 
     Metrics: ``loss``, ``pg_loss`` and ``kl_loss`` (with a KL estimator; the estimate before
-    ``kl_coef``) aggregated as the loss is; the others are token means over real tokens:
-    ``clip_fraction`` (0 for losses that do
-    not clip), ``dual_clip_fraction`` (ppo with dual clip), ``ratio_mean`` (pi_theta /
-    pi_anchor), ``approx_kl_behaviour`` (k3 estimate of KL(pi_behav || pi_theta)),
-    ``importance_weight_mean`` (decoupled: the behaviour weight after the cap),
-    ``masked_fraction`` (tokens zeroed by the "mask" cap) and ``entropy_mean`` (with entropy).
+    ``kl_coef``) aggregated as the loss is; token means over real tokens: ``clip_fraction`` (0
+    for losses that do not clip), ``dual_clip_fraction`` (ppo with dual clip),
+    ``nonfinite_fraction``, ``out_of_range_fraction`` (tokens never trained, see the module
+    docstring), ``masked_fraction`` (tokens given weight 0 by the correction's band),
+    ``kl_clamped_fraction`` (k3: tokens where verl's clamp left no KL gradient) and
+    ``entropy_mean`` (with entropy); token means over scored tokens: ``ratio_mean`` (pi_theta /
+    pi_anchor) and ``approx_kl_behaviour`` (k3 estimate of KL(pi_behav || pi_theta)); decoupled
+    only, the behaviour weight's distribution from
+    :func:`~algorithms.corrections.behaviour_weight_metrics`: ``behaviour_ratio_mean``,
+    ``behaviour_ratio_max`` (combine micro-batches with max), ``importance_weight_mean`` (after
+    the correction) and ``behaviour_weight_clamped_fraction``.
     """
     _check_inputs(inputs, cfg)
     real = inputs.mask > 0
-    # Zero the padding before any arithmetic: exp/log of garbage there would otherwise
-    # leak NaN into the backward pass even through torch.where.
-    logprobs = torch.where(real, inputs.logprobs, 0.0)
-    behaviour = torch.where(real, inputs.behaviour_logprobs.detach(), 0.0)
-    advantages = torch.where(real, inputs.advantages.detach(), 0.0)
+    usable = real & _finite_inputs(inputs, cfg)
+    # Zero padding and non-finite inputs before any arithmetic: exp/log of garbage there would
+    # otherwise leak NaN into the backward pass even through torch.where.
+    logprobs = torch.where(usable, inputs.logprobs, 0.0)
+    behaviour = torch.where(usable, inputs.behaviour_logprobs.detach(), 0.0)
+    advantages = torch.where(usable, inputs.advantages.detach(), 0.0)
 
     metrics: dict[str, float] = {}
     weight: torch.Tensor | None = None
-    masked = _all_false(logprobs)
     if cfg.decoupled:
         assert inputs.prox_logprobs is not None  # checked by _check_inputs
-        anchor = torch.where(real, inputs.prox_logprobs.detach(), 0.0)
-        weight = (anchor - behaviour).exp()
-        if cfg.behaviour_weight_mode == "clamp":
-            weight = weight.clamp(max=cfg.behaviour_weight_cap)
-        else:
-            masked = real & (weight > cfg.behaviour_weight_cap)
-            weight = torch.where(masked, 0.0, weight)
-        metrics["importance_weight_mean"] = _token_mean(weight, real)
+        anchor = torch.where(usable, inputs.prox_logprobs.detach(), 0.0)
+        corrected = behaviour_importance_weights(
+            anchor,
+            behaviour,
+            usable,
+            level=cfg.behaviour_weight_level,
+            mode=cfg.behaviour_weight_mode,
+            cap=cfg.behaviour_weight_cap,
+            floor=cfg.behaviour_weight_floor,
+        )
+        weight = corrected.weight
+        metrics.update(behaviour_weight_metrics(corrected, inputs.mask))
     else:
         anchor = behaviour
+        metrics["masked_fraction"] = 0.0
 
-    log_ratio = (logprobs - anchor).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
-    token = get_policy_loss(cfg.name)(logprobs, log_ratio, advantages, cfg)
+    raw_log_ratio = logprobs - anchor
+    out_of_range = usable & (raw_log_ratio.detach().abs() > MAX_LOG_RATIO)
+    scored = usable & ~out_of_range
+    log_ratio = torch.where(out_of_range, 0.0, raw_log_ratio)
+    token = get_policy_loss(cfg.loss)(logprobs, log_ratio, advantages, cfg)
     per_token = token.loss if weight is None else token.loss * weight
-    pg_loss = aggregate_loss(per_token, real, cfg.aggregation)
+    pg_loss = aggregate_loss(torch.where(scored, per_token, 0.0), real, cfg.aggregation)
     loss = pg_loss
 
     if cfg.kl_estimator is not None:
         assert inputs.ref_logprobs is not None  # checked by _check_inputs
-        ref = torch.where(real, inputs.ref_logprobs.detach(), 0.0)
-        kl_loss = aggregate_loss(compute_kl(cfg.kl_estimator, logprobs, ref), real, cfg.aggregation)
+        ref = torch.where(usable, inputs.ref_logprobs.detach(), 0.0)
+        kl = compute_kl(cfg.kl_estimator, logprobs, ref)
+        if cfg.kl_importance_weight:
+            assert weight is not None  # decoupled, checked by _check_inputs
+            kl = importance_weighted_kl(kl, logprobs, weight * log_ratio.detach().exp())
+        kl_loss = aggregate_loss(torch.where(scored, kl, 0.0), real, cfg.aggregation)
         loss = loss + cfg.kl_coef * kl_loss
         metrics["kl_loss"] = kl_loss.item()
+        if cfg.kl_estimator == "k3":
+            metrics["kl_clamped_fraction"] = _token_mean(scored & k3_clamped(logprobs, ref), real)
 
     metrics["loss"] = loss.item()
     metrics["pg_loss"] = pg_loss.item()
-    metrics["clip_fraction"] = _token_mean(token.clipped, real)
+    metrics["clip_fraction"] = _token_mean(scored & token.clipped, real)
     if token.dual_clipped is not None:
-        metrics["dual_clip_fraction"] = _token_mean(token.dual_clipped, real)
-    metrics["ratio_mean"] = _token_mean(log_ratio.exp(), real)
+        metrics["dual_clip_fraction"] = _token_mean(scored & token.dual_clipped, real)
+    metrics["ratio_mean"] = _token_mean(log_ratio.exp(), scored)
     # Tokens were sampled from pi_behav, so k3 with pi_behav as "q" is an unbiased estimate.
-    metrics["approx_kl_behaviour"] = _token_mean(kl_k3(behaviour, logprobs.detach()), real)
-    metrics["masked_fraction"] = _token_mean(masked, real)
+    metrics["approx_kl_behaviour"] = _token_mean(kl_k3(behaviour, logprobs.detach()), scored)
+    metrics["nonfinite_fraction"] = _token_mean(real & ~usable, real)
+    metrics["out_of_range_fraction"] = _token_mean(out_of_range, real)
     if inputs.entropy is not None:
         metrics["entropy_mean"] = _token_mean(inputs.entropy, real)
     return loss, metrics

@@ -40,9 +40,9 @@ from typing import Any
 
 import structlog
 
-from core.protocols import TrainEngine
 from core.config import ConfigError, TandemConfig
 from core.ledger import DropRecord, Ledger
+from core.protocols import TrainEngine
 
 __all__ = [
     "CHECKPOINTS_DIR",

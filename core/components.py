@@ -1,7 +1,8 @@
-"""The compute a flow drives: engines, reward, weight sync and the prompt source, as one bundle.
+"""The compute a flow drives: the workflow, engines, reward, weight sync and data, as one bundle.
 
 The flow and its state machines see only these protocol-typed handles, so the in-process
-fakes, the embedded torch engines and remote (Ray) engines are interchangeable.
+fakes, the embedded torch engines, remote (Ray) engines and every workload are interchangeable.
+A workload's builder (``engines``) fills the bundle from the config and the task.
 """
 
 from __future__ import annotations
@@ -11,24 +12,28 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from core.protocols import LogProbEngine, Reward, RolloutEngine, SamplingParams, TrainEngine, WeightSync
+from core.protocols import LogProbEngine, Reward, RolloutWorkflow, TrainEngine, WeightSync
+from core.records import TaskItem
+from core.task import Task
 
-__all__ = ["Components", "PromptSource", "SourcePrompt"]
-
-
-@dataclass(slots=True, frozen=True)
-class SourcePrompt:
-    """One prompt as a data source yields it, before it gets an id and a group."""
-
-    prompt: str
-    prompt_ids: list[int]
-    answer: str | None = None
+__all__ = ["Components", "PromptSource", "TaskSetup"]
 
 
 class PromptSource(Protocol):
-    """Yields prompts in a deterministic order for a given seed; may be endless."""
+    """Yields task items in a deterministic order for a seed, starting at item ``start`` (the
+    data position a checkpoint saved: item ``start`` of the same seed's order comes first)."""
 
-    def __call__(self, seed: int) -> Iterator[SourcePrompt]: ...
+    def __call__(self, seed: int, start: int = 0) -> Iterator[TaskItem]: ...
+
+
+@dataclass(slots=True, frozen=True)
+class TaskSetup:
+    """What a workload's builder gets besides the config: the task, the items to train on (the
+    task's own, or a data file's when the config names one) and the task's reward."""
+
+    task: Task
+    items: PromptSource
+    reward: Reward
 
 
 @dataclass(slots=True)
@@ -36,16 +41,15 @@ class Components:
     """Everything the roles compute with. ``reference`` is None when no role needs it."""
 
     prompts: PromptSource
-    rollout: RolloutEngine
+    workflow: RolloutWorkflow
     trainer: TrainEngine
     reward: Reward
     weight_sync: WeightSync
-    sampling: SamplingParams
     reference: LogProbEngine | None = None
     close_callbacks: list[Callable[[], None]] = field(default_factory=list)
     save_checkpoint: Callable[[Path], Awaitable[None]] | None = None  # final weights, loadable by from_pretrained
     max_prompt_tokens: int | None = None  # longer prompts are dropped at admission (recorded); None: no limit
-    held_out: Callable[[int], list[SourcePrompt]] | None = None  # held_out(n): the same n evaluation prompts each call
+    held_out: Callable[[int], list[TaskItem]] | None = None  # held_out(n): the same n evaluation items each call
 
     def close(self) -> None:
         """Release engine threads and resources; safe to call once the flow has stopped."""

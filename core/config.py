@@ -24,6 +24,7 @@ __all__ = [
     "FlowConfig",
     "LatencySpec",
     "ParamSyncConfig",
+    "RewardFunctionConfig",
     "RoleConfig",
     "RunConfig",
     "StalenessConfig",
@@ -281,9 +282,9 @@ class TorchEnginesConfig(_Model):
     """The embedded engines: a transformers rollout engine and a torch trainer, in threads."""
 
     type: Literal["torch"] = "torch"
-    model_path: Path = Path("tasks/arithmetic/model")
+    model_path: Path | None = None
     """A local Hugging Face checkpoint folder (model + tokenizer); relative paths are taken from
-    the working directory, then from the project root."""
+    the working directory, then from the project root. None: the model the task ships."""
     device: str = "cpu"
     """torch device for every engine: ``cpu``, ``cuda``, ``cuda:1``..."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
@@ -335,21 +336,60 @@ class AlgorithmConfig(_Model):
     """Decoupled PPO (AReaL): trust region around pi_prox recomputed by the logp role, tokens
     weighted by pi_prox / pi_behav. Needs the logp stage."""
     behaviour_weight_cap: float = Field(5.0, ge=1.0)
-    """Decoupled: cap on pi_prox / pi_behav."""
+    """Decoupled: upper end of the band the behaviour weight pi_prox / pi_behav must stay in."""
+    behaviour_weight_floor: float | None = Field(None, gt=0.0, le=1.0)
+    """Decoupled: lower end of that band (IcePop: 0.5 with cap 5); None = no lower bound."""
     behaviour_weight_mode: Literal["clamp", "mask"] = "mask"
-    """Decoupled: clamp weights above the cap, or mask those tokens."""
+    """Decoupled: outside the band, clamp the weight to it (truncated IS) or mask the token
+    (masked IS, AReaL's choice)."""
+    behaviour_weight_level: Literal["token", "sequence", "geometric"] = "token"
+    """Decoupled: the weight per token, per sequence (product over its trained tokens), or as the
+    sequence's geometric mean (see ``algorithms.corrections``)."""
     tis_cap: float = Field(1.0, gt=0.0)
-    """tis: upper truncation of the importance ratio."""
+    """tis: upper truncation of the importance ratio (under decoupled PPO the token's loss is
+    also multiplied by the behaviour weight pi_prox / pi_behav)."""
+    topr_positive_weight: float = Field(1.0, ge=0.0)
+    """topr: coefficient of the A > 0 (SFT-like) term."""
+    topr_negative_weight: float = Field(1.0, ge=0.0)
+    """topr: coefficient of the A <= 0 (truncated-IS) term (under decoupled PPO, times the
+    behaviour weight as well)."""
+    cispo_eps_low: float = Field(1.0, ge=0.0, le=1.0)
+    """cispo: IS-weight floor 1 - eps; 1.0 = no floor, as in MiniMax-M1."""
     cispo_eps_high: float = Field(0.2, ge=0.0)
     """cispo: IS-weight ceiling 1 + eps."""
-    kimi15_tau: float = Field(0.1, gt=0.0)
+    kimi15_tau: float = Field(0.1, ge=0.0)
     """kimi15: weight of the squared log-ratio penalty."""
     kl_estimator: Literal["k1", "k2", "k3"] | None = None
-    """KL estimator against the reference model; None = no KL term."""
+    """KL estimator against the reference model, in the loss; None = no KL term. ``k1``'s gradient
+    is zero in expectation, so it is refused in the loss (see ``algorithms.kl``)."""
     kl_coef: float = Field(0.0, ge=0.0)
     """Weight of the KL term; > 0 needs kl_estimator and the ref_logp stage."""
+    kl_importance_weight: bool = False
+    """Decoupled: weight the KL term by pi_theta / pi_behav (DeepSeek-V3.2's unbiased KL; with it
+    k3's gradient is the reverse KL's off-policy too)."""
     aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
     """How per-token losses become one number."""
+
+    @model_validator(mode="after")
+    def _consistent(self) -> AlgorithmConfig:
+        if self.kl_coef > 0 and self.kl_estimator is None:
+            raise ValueError(
+                f"algorithm.kl_coef={self.kl_coef} needs algorithm.kl_estimator (without one the "
+                "coefficient would be silently ignored)"
+            )
+        if self.kl_estimator == "k1":
+            raise ValueError(
+                "algorithm.kl_estimator=k1 as a loss regularises nothing (its gradient is zero in "
+                "expectation); use k2 (the reverse KL's gradient) or k3"
+            )
+        if self.behaviour_weight_floor is not None and self.behaviour_weight_floor > self.behaviour_weight_cap:
+            raise ValueError("algorithm.behaviour_weight_floor must not exceed behaviour_weight_cap")
+        if not self.decoupled:
+            for name, default in (("behaviour_weight_level", "token"), ("behaviour_weight_floor", None),
+                                  ("kl_importance_weight", False)):
+                if getattr(self, name) != default:
+                    raise ValueError(f"algorithm.{name} applies to decoupled PPO only: set algorithm.decoupled=true")
+        return self
 
 
 class ParamSyncConfig(_Model):
@@ -364,15 +404,45 @@ class ParamSyncConfig(_Model):
     (stall <= one step); ``pause``: pause decoding, copy in place, resume."""
 
 
-class TaskConfig(_Model):
-    """Where prompts come from and how responses are scored."""
+class RewardFunctionConfig(_Model):
+    """One reward function of the task's reward, by dotted path (see ``core.task``)."""
 
-    name: Literal["arithmetic"] = "arithmetic"
-    """The verifiable task (its generator, verifier and shipped model live in ``tasks/``)."""
+    fn: str
+    """``module:function``: ``fn(response, answer, **context) -> float | RewardResult`` (or async)."""
+    weight: float = 1.0
+    """Its weight in the reward (the weighted sum of every function's value)."""
+    name: str | None = None
+    """Its name in metrics and ``Trajectory.rewards``; default the function's name."""
+    runner: Literal["pool", "inline"] = "pool"
+    """``pool``: in the reward worker processes under ``task.reward_timeout_s`` (a slow, hanging
+    or crashing function fails only its samples); ``inline``: on the event loop (cheap checks)."""
+
+    @model_validator(mode="after")
+    def _dotted(self) -> RewardFunctionConfig:
+        module, _, function = self.fn.partition(":")
+        if not module or not function:
+            raise ValueError(f"task.rewards: fn must be 'module:function', got {self.fn!r}")
+        return self
+
+
+class TaskConfig(_Model):
+    """The workload's data and judgement: a task plugin, optionally with other data or rewards."""
+
+    name: str | None = None
+    """A task folder under ``tasks/`` (``arithmetic``, ``synthetic``, ...) or ``module:object``
+    naming a ``core.task.Task`` or a callable returning one. None: ``synthetic`` under the fake
+    engines (which run any task); the model engines need a task named."""
+    options: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments for the task's factory (task-specific)."""
     data_path: Path | None = None
-    """JSONL or Parquet file of ``{"prompt", "answer"}`` rows; None = the task's generator."""
+    """JSONL or Parquet file of ``{"prompt", "answer", ...}`` rows to train on instead of the
+    task's own items (other columns reach rewards as ``meta``)."""
+    rewards: list[RewardFunctionConfig] = Field(default_factory=list)
+    """Reward functions replacing the task's own; several are combined by their weights."""
     reward_timeout_s: float = Field(10.0, gt=0)
-    """A verifier call slower than this scores its samples as failed (reason recorded)."""
+    """A pool reward call slower than this scores its samples as failed (reason recorded)."""
+    reward_workers: int = Field(1, ge=1)
+    """Worker processes of the reward pool."""
 
 
 POOL_ROLES = ("generate", "train", "ref_logp")
@@ -502,6 +572,8 @@ class TandemConfig(_Model):
                 "attempts of a sync that keeps failing"
             )
         self._check_cluster()
+        if self.engines.type != "fake" and self.task.name is None:
+            raise ValueError(f"task.name: engines.type={self.engines.type} trains a real model: name its task")
         if self.engines.type == "torch":
             algo, stages = self.algorithm, self.flow.stages
             if algo.decoupled and "logp" not in stages:

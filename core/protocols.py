@@ -1,9 +1,17 @@
-"""The seams between the flow and the compute: small protocols every engine backend implements.
+"""The seams between the flow and the compute: small protocols every backend implements.
 
 The state machines only ever talk to these protocols, so the same flow drives the fake
-engines (tests, simulator), the embedded transformers/torch engines, and the large-scale
-backends. Engines own their blocking compute: every ``async`` method here must return to the
-event loop while the work runs (a thread, a process or a remote actor), never block it.
+engines (tests, simulator), the embedded transformers/torch engines, remote (Ray) engines and
+every workload. Engines own their blocking compute: every ``async`` method here must return to
+the event loop while the work runs (a thread, a process or a remote actor), never block it.
+
+- :class:`RolloutWorkflow` turns admitted prompt groups into trajectories: the generate and
+  validate roles call it, and it is where a workload decides what a trajectory is (one
+  completion, a multi-turn episode, a denoising run).
+- :class:`RolloutEngine` is the token-level engine text workflows drive.
+- :class:`LogProbEngine` / :class:`TrainEngine` score trajectories and take optimizer steps;
+  they know no algorithm: the train role hands them a :class:`LossObjective`.
+- :class:`Reward` scores finished trajectories; :class:`WeightSync` moves weights to rollout.
 """
 
 from __future__ import annotations
@@ -11,14 +19,29 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
-from core.records import RolloutGroup, Sample
+from core.records import PromptGroup, Trajectory
+
+__all__ = [
+    "GenerationRequest",
+    "LogProbEngine",
+    "LossObjective",
+    "Reward",
+    "RewardResult",
+    "RolloutEngine",
+    "RolloutRequest",
+    "RolloutWorkflow",
+    "SamplingParams",
+    "SyncReport",
+    "TrainEngine",
+    "WeightSync",
+]
 
 
 @dataclass(slots=True, frozen=True)
 class SamplingParams:
-    """How to sample one sequence. ``top_k = 0`` and ``top_p = 1.0`` disable those filters."""
+    """How to sample one token sequence. ``top_k = 0`` and ``top_p = 1.0`` disable those filters."""
 
     max_new_tokens: int = 64
     temperature: float = 1.0
@@ -28,8 +51,34 @@ class SamplingParams:
 
 
 @dataclass(slots=True, frozen=True)
+class RolloutRequest:
+    """One trajectory to produce: sample ``index`` of ``group``, with its own sampling seed."""
+
+    group: PromptGroup
+    index: int
+    seed: int
+
+    @property
+    def prompt_id(self) -> int:
+        return self.group.prompt_id
+
+
+@runtime_checkable
+class RolloutWorkflow(Protocol):
+    """Produces trajectories for admitted groups with the weights the rollout engines serve.
+
+    Invariant: each request yields exactly one trajectory (``prompt_id``, ``index`` as asked),
+    every action stamped with the weight version that produced it.
+    """
+
+    def rollout(self, requests: Sequence[RolloutRequest]) -> AsyncIterator[Trajectory]:
+        """Start every request now; yield each trajectory as soon as it is finished."""
+        ...
+
+
+@dataclass(slots=True, frozen=True)
 class GenerationRequest:
-    """One sequence to sample: sample ``index`` of prompt group ``prompt_id``."""
+    """One token sequence to sample: sample ``index`` of prompt group ``prompt_id``."""
 
     prompt_id: int
     index: int
@@ -40,10 +89,10 @@ class GenerationRequest:
 
 @runtime_checkable
 class RolloutEngine(Protocol):
-    """Samples sequences with the weights it has loaded.
+    """Samples token sequences with the weights it has loaded.
 
-    Invariant: every token of a returned :class:`Sample` is stamped with the weight version
-    that produced it, and ``version`` only moves forward.
+    Invariant: every token of a returned trajectory is stamped with the weight version that
+    produced it, and ``version`` only moves forward.
     """
 
     @property
@@ -51,29 +100,45 @@ class RolloutEngine(Protocol):
         """The policy version currently loaded (serving new tokens)."""
         ...
 
-    def generate(self, requests: Sequence[GenerationRequest]) -> AsyncIterator[Sample]:
+    def generate(self, requests: Sequence[GenerationRequest]) -> AsyncIterator[Trajectory]:
         """Start sampling every request now; yield each sequence as soon as it finishes."""
         ...
 
 
 @runtime_checkable
 class LogProbEngine(Protocol):
-    """Scores given token sequences with the weights it holds (policy or reference)."""
+    """Scores given trajectories with the weights it holds (policy or reference)."""
 
     @property
     def version(self) -> int: ...
 
-    async def logprobs(self, samples: Sequence[Sample]) -> list[list[float]]:
-        """Per-token log-probs of each sample's response tokens, aligned with ``response_ids``."""
+    async def logprobs(self, trajectories: Sequence[Trajectory]) -> list[list[float]]:
+        """Per-action log-probs of each trajectory, aligned with its actions."""
         ...
+
+
+@runtime_checkable
+class LossObjective(Protocol):
+    """The loss a train engine applies to each micro-batch (``algorithms.PolicyObjective``).
+
+    ``mean_over`` says what the loss averages over inside a micro-batch, so the engine weights
+    micro-batches by their share of the step's ``"tokens"`` (trained actions) or
+    ``"sequences"`` and the accumulated gradient is the whole step's.
+    """
+
+    @property
+    def mean_over(self) -> Literal["tokens", "sequences"]: ...
+
+    def __call__(self, inputs: Any) -> tuple[Any, dict[str, float]]: ...
 
 
 @runtime_checkable
 class TrainEngine(LogProbEngine, Protocol):
     """Holds the trained policy; one ``train_step`` is one optimizer step (version + 1)."""
 
-    async def train_step(self, groups: Sequence[RolloutGroup]) -> dict[str, float]:
-        """Run one optimizer step on these groups and return its metrics."""
+    async def train_step(self, batch: Sequence[Trajectory], objective: LossObjective) -> dict[str, float]:
+        """One optimizer step on every trajectory of ``batch`` (each carrying its advantage),
+        minimising ``objective``; returns the step's metrics."""
         ...
 
     async def save_state(self, folder: Path) -> None:
@@ -110,16 +175,20 @@ class WeightSync(Protocol):
 
 @dataclass(slots=True, frozen=True)
 class RewardResult:
-    """A sample's score; ``ok`` False means the verifier failed and ``info`` says why."""
+    """A trajectory's score; ``ok`` False means a reward failed and ``info`` says why.
+
+    ``components`` holds each named reward before weighting when several are combined.
+    """
 
     reward: float
     ok: bool = True
     info: str = ""
+    components: dict[str, float] | None = None
 
 
 @runtime_checkable
 class Reward(Protocol):
-    """Scores finished samples; must never block the event loop."""
+    """Scores finished trajectories, each with the group it belongs to; never blocks the loop."""
 
-    async def score(self, samples: Sequence[Sample], answers: Sequence[str | None]) -> list[RewardResult]:
+    async def score(self, trajectories: Sequence[Trajectory], groups: Sequence[PromptGroup]) -> list[RewardResult]:
         ...

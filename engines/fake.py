@@ -11,7 +11,9 @@ Faithful where the flow's correctness is concerned:
   the weight version that was loaded when that token was produced (weights may change in the
   middle of a sequence: a partial rollout that kept its cache);
 - the train engine's version counts optimizer steps; log-probs have one value per token;
-- reward rises with the policy version that produced a sample, so a run visibly "learns".
+- the fake policy answers a prompt right (its response text is the item's answer) with a
+  probability that rises with the weight version it started with, so a run scored by the
+  task's reward (the synthetic task's exact match by default) visibly "learns".
 
 Faults, from ``engines.faults`` (per role, seeded): a call may be held up by an extra delay and
 may raise :class:`InjectedFault`, so the error policies, the ledger and weight-sync degradation
@@ -25,29 +27,27 @@ from __future__ import annotations
 import asyncio
 import bisect
 import heapq
-import itertools
 import json
 import math
 import random
 from collections import deque
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
-from core.protocols import GenerationRequest, RewardResult, SamplingParams, SyncReport
-from core.components import Components, SourcePrompt
+from core.components import Components, TaskSetup
 from core.config import FakeEnginesConfig, FaultSpec, LatencySpec, TandemConfig
-from core.records import FinishReason, ResumePolicy, RolloutGroup, Sample
+from core.protocols import LossObjective, Reward, RewardResult, RolloutRequest, SyncReport
+from core.records import FinishReason, PromptGroup, ResumePolicy, TokenPayload, Trajectory
 
 __all__ = [
-    "FakeReward",
     "FakeRolloutEngine",
     "FakeTrainEngine",
     "FakeWeightSync",
     "FaultInjector",
     "InjectedFault",
     "LatencySampler",
+    "SlowReward",
     "build_fake_components",
-    "synthetic_prompts",
 ]
 
 
@@ -115,11 +115,15 @@ class FaultInjector:
 
 
 class FakeRolloutEngine:
-    """A rollout engine with ``slots`` decode slots and drawn sequence durations.
+    """A rollout workflow with ``slots`` decode slots and drawn sequence durations.
 
     Event-driven, as a discrete-event simulator: a waiting request takes the first free slot,
     its duration is drawn when it starts, and a timer delivers it when it ends. No task per
     sequence, so a simulated cluster of hundreds of slots runs fast on a virtual clock.
+
+    Implements :class:`core.protocols.RolloutWorkflow` directly (the fake is its own workload):
+    a trajectory's text is the item's answer with probability ``1 - 0.8 * 0.5 ** (v / 10)`` at
+    start version ``v``, drawn from the engine's seeded RNG.
     """
 
     def __init__(
@@ -129,20 +133,26 @@ class FakeRolloutEngine:
         response_tokens: int,
         decode_step_s: float = 0.0,
         faults: FaultInjector | None = None,
+        seed: int = 0,
+        half_life_versions: float = 10.0,
+        max_new_tokens: int | None = None,
     ) -> None:
         self.slots = slots
+        self._max_new_tokens = max_new_tokens
         self._faults = faults or no_faults("generate")
         self._decode_step_s = decode_step_s
         self._latency = latency
         self._response_tokens = response_tokens
         self._mean_s = latency.spec.mean_s
+        self._rng = random.Random(seed)
+        self._half = half_life_versions
         # The version timeline, version i served since times[i], kept back only to the oldest
         # sequence decoding now (older entries can never be read again: memory stays bounded).
         self._times: list[float] = [float("-inf")]
         self._versions: list[int] = [0]
         self._started: list[float] = []  # heap: start times of the sequences decoding now
         self._ended: list[float] = []  # heap: start times of finished ones not yet popped off _started
-        self._waiting: deque[tuple[GenerationRequest, asyncio.Queue[Sample]]] = deque()
+        self._waiting: deque[tuple[RolloutRequest, asyncio.Queue[Trajectory]]] = deque()
         self.active = 0  # sequences decoding now
 
     @property
@@ -167,27 +177,30 @@ class FakeRolloutEngine:
     def _version_at(self, t: float) -> int:
         return self._versions[bisect.bisect_right(self._times, t) - 1]
 
-    def _sample(self, request: GenerationRequest, start: float, end: float, duration: float) -> Sample:
+    def _sample(self, request: RolloutRequest, start: float, end: float, duration: float) -> Trajectory:
         length = self._response_tokens
         if self._mean_s > 0:
             # Long sequences take long: tokens scale with the drawn duration.
             length = max(1, round(self._response_tokens * duration / self._mean_s))
-        length = min(length, request.params.max_new_tokens)
+        if self._max_new_tokens is not None:
+            length = min(length, self._max_new_tokens)
+        group = request.group
         first, last = self._version_at(start), self._version_at(end)
         if first == last:
             versions = [first] * length  # no weight update during this sequence
         else:
             step = (end - start) / length
             versions = [self._version_at(start + (i + 1) * step) for i in range(length)]
-        return Sample(
-            prompt_id=request.prompt_id,
+        right = self._rng.random() < 1.0 - 0.8 * 0.5 ** (versions[0] / self._half)
+        token = (group.prompt_id + request.index) % 50
+        return Trajectory(
+            prompt_id=group.prompt_id,
             index=request.index,
-            prompt_ids=request.prompt_ids,
-            response_ids=[(request.prompt_id + request.index) % 50] * length,
             behaviour_logprobs=[-1.0] * length,
-            token_versions=versions,
+            versions=versions,
             start_version=versions[0],
             finish_reason=FinishReason.STOP,
+            payload=TokenPayload(group.prompt_ids, [token] * length, (group.answer or "") if right else "?"),
             resumed=ResumePolicy.KEEP_CACHE if versions[0] != versions[-1] else None,
         )
 
@@ -204,13 +217,13 @@ class FakeRolloutEngine:
                 end = math.ceil(end / self._decode_step_s) * self._decode_step_s
             loop.call_at(end, self._finish, request, out, start, duration)
 
-    def _finish(self, request: GenerationRequest, out: asyncio.Queue[Sample], start: float, duration: float) -> None:
+    def _finish(self, request: RolloutRequest, out: asyncio.Queue[Trajectory], start: float, duration: float) -> None:
         self.active -= 1
         heapq.heappush(self._ended, start)
         out.put_nowait(self._sample(request, start, asyncio.get_running_loop().time(), duration))
         self._fill_slots()
 
-    async def generate(self, requests: Sequence[GenerationRequest]) -> AsyncIterator[Sample]:
+    async def rollout(self, requests: Sequence[RolloutRequest]) -> AsyncIterator[Trajectory]:
         fail = await self._faults.enter()
         deliver = self._faults.cut(len(requests)) if fail else len(requests)
         if self._mean_s == 0.0:
@@ -222,7 +235,7 @@ class FakeRolloutEngine:
                 raise self._faults.fault()
             return
         # Unbounded is safe here: it never holds more than this call's own requests.
-        out: asyncio.Queue[Sample] = asyncio.Queue()
+        out: asyncio.Queue[Trajectory] = asyncio.Queue()
         mine = [(r, out) for r in requests]
         self._waiting.extend(mine)
         self._fill_slots()
@@ -261,16 +274,16 @@ class FakeTrainEngine:
     def version(self) -> int:
         return self._version
 
-    async def logprobs(self, samples: Sequence[Sample]) -> list[list[float]]:
+    async def logprobs(self, trajectories: Sequence[Trajectory]) -> list[list[float]]:
         await self._logp_faults.check()
         await _spend(self._logp_latency())
-        return [list(s.behaviour_logprobs) for s in samples]
+        return [list(t.behaviour_logprobs) for t in trajectories]
 
-    async def train_step(self, groups: Sequence[RolloutGroup]) -> dict[str, float]:
+    async def train_step(self, batch: Sequence[Trajectory], objective: LossObjective) -> dict[str, float]:
         await self._train_faults.check()
         await _spend(self._step_latency())
         self._version += 1
-        return {"loss": 0.0, "groups": float(len(groups))}
+        return {"loss": 0.0, "trajectories": float(len(batch))}
 
     async def save_state(self, folder: Path) -> None:
         """The fake has no weights: its state is its version (a few bytes, written in place)."""
@@ -291,31 +304,25 @@ class FakeReferenceEngine:
     def version(self) -> int:
         return 0
 
-    async def logprobs(self, samples: Sequence[Sample]) -> list[list[float]]:
+    async def logprobs(self, trajectories: Sequence[Trajectory]) -> list[list[float]]:
         await self._faults.check()
         await _spend(self._latency())
-        return [[lp - 1.0 for lp in s.behaviour_logprobs] for s in samples]
+        return [[lp - 1.0 for lp in t.behaviour_logprobs] for t in trajectories]
 
 
-class FakeReward:
-    """Rewards 1.0 with a probability that rises with the sample's policy version."""
+class SlowReward:
+    """Any reward, held up by a drawn latency and injected faults first (the reward role's
+    timing and error policy under the fake engines)."""
 
-    def __init__(
-        self, latency: LatencySampler, seed: int, half_life_versions: float = 10.0, faults: FaultInjector | None = None
-    ) -> None:
+    def __init__(self, inner: Reward, latency: LatencySampler, faults: FaultInjector | None = None) -> None:
+        self._inner = inner
         self._latency = latency
         self._faults = faults or no_faults("reward")
-        self._rng = random.Random(seed)
-        self._half = half_life_versions
 
-    async def score(self, samples: Sequence[Sample], answers: Sequence[str | None]) -> list[RewardResult]:
+    async def score(self, trajectories: Sequence[Trajectory], groups: Sequence[PromptGroup]) -> list[RewardResult]:
         await self._faults.check()
         await _spend(self._latency())
-        out = []
-        for sample in samples:
-            p = 1.0 - 0.8 * 0.5 ** (sample.start_version / self._half)
-            out.append(RewardResult(1.0 if self._rng.random() < p else 0.0))
-        return out
+        return await self._inner.score(trajectories, groups)
 
 
 class FakeWeightSync:
@@ -334,29 +341,14 @@ class FakeWeightSync:
         return SyncReport(version, {"sync_s": duration})
 
 
-def synthetic_prompts(seed: int) -> Iterator[SourcePrompt]:
-    """An endless, seed-determined stream of small synthetic prompts."""
-    rng = random.Random(seed)
-    while True:
-        a, b = rng.randrange(100), rng.randrange(100)
-        yield SourcePrompt(prompt=f"{a}+{b}=", prompt_ids=[a % 50, b % 50], answer=str(a + b))
-
-
-HELD_OUT_SEED = 2**61 - 1  # the held-out stream's own seed, far from any seed a run would pick
-
-
-def held_out_prompts(n: int) -> list[SourcePrompt]:
-    """The fake task's held-out evaluation set: the same ``n`` prompts on every call."""
-    return list(itertools.islice(synthetic_prompts(HELD_OUT_SEED), n))
-
-
 def no_faults(role: str) -> FaultInjector:
     """An injector that never delays or fails (and draws no random numbers)."""
     return FaultInjector(role, FaultSpec(), 0)
 
 
-def build_fake_components(config: TandemConfig) -> Components:
-    """The fake bundle for a config whose ``engines.type`` is ``fake``."""
+def build_fake_components(config: TandemConfig, setup: TaskSetup) -> Components:
+    """The fake bundle for a config whose ``engines.type`` is ``fake``: the fake workload
+    over the task's items, scored by its reward behind the fake reward latency."""
     spec = config.engines
     assert isinstance(spec, FakeEnginesConfig)
     seed = config.run.seed
@@ -366,19 +358,17 @@ def build_fake_components(config: TandemConfig) -> Components:
 
     rollout = FakeRolloutEngine(
         spec.generation_slots, LatencySampler(spec.generation_latency, seed + 1), spec.response_tokens,
-        spec.decode_step_s, faults("generate", 11),
+        spec.decode_step_s, faults("generate", 11), seed=seed + 5, max_new_tokens=config.rollout.max_new_tokens,
     )
-    r = config.rollout
     return Components(
-        prompts=synthetic_prompts,
-        rollout=rollout,
+        prompts=setup.items,
+        workflow=rollout,
         trainer=FakeTrainEngine(
             LatencySampler(spec.train_step_latency, seed + 2), LatencySampler(spec.logp_latency, seed + 3),
             faults("train", 13), faults("logp", 15),
         ),
-        reward=FakeReward(LatencySampler(spec.reward_latency, seed + 4), seed + 5, faults=faults("reward", 17)),
+        reward=SlowReward(setup.reward, LatencySampler(spec.reward_latency, seed + 4), faults("reward", 17)),
         weight_sync=FakeWeightSync(rollout, LatencySampler(spec.sync_latency, seed + 6), faults("param_update", 19)),
-        sampling=SamplingParams(r.max_new_tokens, r.temperature, r.top_p, r.top_k, tuple(r.stop)),
         reference=FakeReferenceEngine(LatencySampler(spec.logp_latency, seed + 7), faults("ref_logp", 21)),
-        held_out=held_out_prompts,
+        held_out=setup.task.held_out,
     )

@@ -16,11 +16,13 @@ Invariants:
 - each row's cache holds exactly ``prompt + response[:-1]``; its newest token is fed next step;
 - ``len(response_ids) == len(behaviour_logprobs) == len(token_versions)``, and every token is
   stamped with the version of the weights whose logits it was sampled from;
-- weights change only between decode steps, all tensors at once or none, whether they come
-  whole (``submit_weights``) or in param_sync buckets (:class:`HFSyncTarget`); sequences in
-  flight at that moment are either re-prefilled under the new weights
-  (``ResumePolicy.RECOMPUTE``, the default) or keep the cache the old weights built
-  (``KEEP_CACHE``), and ``Sample.resumed`` records which;
+- weights change only between decode steps, all tensors at once or none: they arrive through
+  param_sync into the engine's :class:`~param_sync.ModuleTarget` (``engine.target``), and every
+  decode step runs inside the target's step gate, so a step never sees two versions. In
+  ``swap`` mode on host memory the target serves straight from the transfer's buffer half (no
+  copy on this side). At the first step after a new version committed, sequences in flight are
+  either re-prefilled under the new weights (``ResumePolicy.RECOMPUTE``, the default) or keep
+  the cache the old weights built (``KEEP_CACHE``), and ``Trajectory.resumed`` records which;
 - behaviour log-probs are ``log_softmax(logits / temperature)`` over the full vocabulary, the
   quantity the train engine recomputes at the same temperature; top-k/top-p truncation
   shapes which token is drawn but is not folded into the returned log-prob;
@@ -34,10 +36,8 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
-from concurrent.futures import Future
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Self
 
@@ -48,15 +48,12 @@ from transformers import AutoModelForCausalLM, DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from core.protocols import GenerationRequest
+from core.records import FinishReason, ResumePolicy, Trajectory, token_trajectory
 from engines.threads import apply_thread_budget
 from engines.tokenizer import load_tokenizer
-from engines.torch_weights import unique_weights
-from param_sync import LayoutError, LoadMode, Manifest, StaleVersionError, SyncError, TensorSlice
-from core.records import FinishReason, ResumePolicy, Sample
+from param_sync import GateClosedError, LoadMode, ModuleTarget
 
-__all__ = ["EngineClosedError", "HFRolloutEngine", "HFSyncTarget", "NamedTensors"]
-
-NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+__all__ = ["EngineClosedError", "HFRolloutEngine"]
 
 
 class EngineClosedError(RuntimeError):
@@ -68,10 +65,10 @@ class _Call:
     """One ``generate()`` call: the loop and queue its samples are delivered to."""
 
     loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue[Sample | BaseException]
+    queue: asyncio.Queue[Trajectory | BaseException]
     sequences: list[_Sequence] = field(default_factory=list)
 
-    def deliver(self, item: Sample | BaseException) -> None:
+    def deliver(self, item: Trajectory | BaseException) -> None:
         try:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
         except RuntimeError:  # the caller's loop is closed: nobody will read the rest
@@ -110,36 +107,6 @@ class _Batch:
     rows: list[_Sequence]
     cache: DynamicCache
     mask: torch.Tensor
-
-
-@dataclass(slots=True)
-class _WeightUpdate:
-    named_tensors: NamedTensors
-    version: int
-    done: Future[None]
-
-    def fail(self, exc: BaseException) -> None:
-        if not self.done.done():
-            self.done.set_exception(exc)
-
-
-@dataclass(slots=True, eq=False)
-class _WeightChange:
-    """A sync target's change of weights, run by the decode thread between two decode steps.
-
-    ``apply`` runs on the decode thread and returns the version the weights now hold, or None
-    if it left them unchanged. ``started`` resolves when the decode thread stopped decoding
-    to run it; ``done`` with the seconds it ran (generation was held that long).
-    """
-
-    apply: Callable[[], int | None]
-    started: Future[None] = field(default_factory=Future)
-    done: Future[float] = field(default_factory=Future)
-
-    def fail(self, exc: BaseException) -> None:
-        for future in (self.started, self.done):
-            if not future.done():
-                future.set_exception(exc)
 
 
 def _request_generator(request: GenerationRequest) -> torch.Generator:
@@ -208,7 +175,9 @@ class HFRolloutEngine:
     """Samples sequences from a transformers causal LM on one dedicated decode thread.
 
     Implements :class:`core.protocols.RolloutEngine`. Several concurrent ``generate()``
-    calls share one continuous batch of at most ``max_batch_size`` rows.
+    calls share one continuous batch of at most ``max_batch_size`` rows. New weights reach it
+    through ``target`` (a :class:`~param_sync.ModuleTarget` in ``load_mode``), fed by a
+    param_sync :class:`~param_sync.Receiver`.
     """
 
     def __init__(
@@ -220,6 +189,7 @@ class HFRolloutEngine:
         max_batch_size: int = 64,
         num_threads: int = 1,
         resume_policy: ResumePolicy | str = ResumePolicy.RECOMPUTE,
+        load_mode: LoadMode = "swap",
         start_version: int = 0,
     ) -> None:
         if max_batch_size < 1:
@@ -230,7 +200,6 @@ class HFRolloutEngine:
         self._max_batch_size = max_batch_size
         self._num_threads = num_threads
         self._resume_policy = ResumePolicy(resume_policy)
-        self._version = start_version
 
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
         self._model = model.to(self._device).eval().requires_grad_(False)
@@ -242,12 +211,12 @@ class HFRolloutEngine:
         self._tokenizer = load_tokenizer(model_path)
         eos = model.generation_config.eos_token_id
         self._eos_ids: frozenset[int] = frozenset([] if eos is None else [eos] if isinstance(eos, int) else eos)
-        self._weights = unique_weights(self._model)  # live tensors: loading copies into them
+        self.target = ModuleTarget(self._model, load_mode=load_mode, version=start_version)
+        self._serving = start_version  # decode thread only: the version its last step decoded with
 
         # Shared with the decode thread, guarded by _cond.
         self._cond = threading.Condition()
         self._waiting: deque[_Sequence] = deque()
-        self._updates: list[_WeightUpdate | _WeightChange] = []
         self._closing = False
         self._thread = threading.Thread(target=self._run, name="hf-rollout", daemon=True)
         self._thread.start()
@@ -256,16 +225,15 @@ class HFRolloutEngine:
 
     @property
     def version(self) -> int:
-        """The weight version serving new tokens."""
-        return self._version
+        """The weight version serving new tokens (committed into ``target``)."""
+        return self.target.loaded_version
 
     @property
     def model(self) -> torch.nn.Module:
-        """The served model, for inspection and hooks; change weights only via ``submit_weights``
-        or an :class:`HFSyncTarget`."""
+        """The served model, for inspection and hooks; change weights only through ``target``."""
         return self._model
 
-    def generate(self, requests: Sequence[GenerationRequest]) -> AsyncIterator[Sample]:
+    def generate(self, requests: Sequence[GenerationRequest]) -> AsyncIterator[Trajectory]:
         """Queue every request now; the returned stream yields samples as they finish.
 
         Closing the stream early (``aclose()``, cancellation) drops its unfinished requests.
@@ -282,32 +250,13 @@ class HFRolloutEngine:
             self._cond.notify()
         return self._stream(call)
 
-    def submit_weights(self, named_tensors: NamedTensors, version: int) -> Future[None]:
-        """Schedule new weights for the next step boundary; thread-safe, returns at once.
-
-        ``named_tensors`` must name every weight (``engines.torch_weights.unique_weights``)
-        exactly once with its shape (any dtype/device; converted on load). It is read on the decode thread, so it must be a
-        stable snapshot. The returned future completes once ``version`` serves new tokens, or
-        fails (unknown/missing names, wrong shapes, ``version`` not above the current one)
-        leaving the old weights serving untouched.
-        """
-        update = _WeightUpdate(named_tensors, version, Future())
-        with self._cond:
-            if self._closing:
-                raise EngineClosedError("submit_weights() on a closed engine")
-            self._updates.append(update)
-            self._cond.notify()
-        return update.done
-
-    async def update_weights(self, named_tensors: NamedTensors, version: int) -> None:
-        """``submit_weights`` awaited from an event loop."""
-        await asyncio.wrap_future(self.submit_weights(named_tensors, version))
-
     def close(self) -> None:
-        """Stop the decode thread; unfinished requests and updates fail with EngineClosedError."""
+        """Stop the decode thread; unfinished requests fail with EngineClosedError. A weight
+        update holding the step gate (an aborted ``pause``-mode load) cannot keep it waiting."""
         with self._cond:
             self._closing = True
             self._cond.notify()
+        self.target.gate.close()
         self._thread.join()
 
     async def aclose(self) -> None:
@@ -321,7 +270,7 @@ class HFRolloutEngine:
 
     # ----------------------------------------------------------------------- caller side
 
-    async def _stream(self, call: _Call) -> AsyncIterator[Sample]:
+    async def _stream(self, call: _Call) -> AsyncIterator[Trajectory]:
         try:
             for _ in range(len(call.sequences)):
                 item = await call.queue.get()
@@ -336,41 +285,37 @@ class HFRolloutEngine:
     def _run(self) -> None:
         apply_thread_budget(self._num_threads)
         batch: _Batch | None = None
+        joining: list[_Sequence] = []
         while True:
             with self._cond:
-                while not (self._closing or self._updates or self._waiting or batch is not None):
+                while not (self._closing or self._waiting or batch is not None):
                     self._cond.wait()
                 if self._closing:
                     break
-                updates, self._updates = self._updates, []
                 joining = self._take_waiting(self._max_batch_size - (len(batch.rows) if batch else 0))
             try:
-                with torch.no_grad():
-                    for update in updates:
-                        if isinstance(update, _WeightUpdate):
-                            batch = self._apply_update(update, batch)
-                        else:
-                            batch = self._apply_change(update, batch)
+                with torch.no_grad(), self.target.decode_step():
+                    if self.target.loaded_version != self._serving:  # an update committed since the last step
+                        self._serving = self.target.loaded_version
+                        batch = self._resume_in_flight(batch)
                     if batch is not None:
                         batch = _select(batch, [i for i, row in enumerate(batch.rows) if not row.cancelled])
                     if joining:
                         batch = self._admit(batch, joining)
                     if batch is not None:
                         batch = self._decode_step(batch)
+                joining = []
+            except GateClosedError:  # closing while a weight update held the gate
+                break
             except Exception as exc:  # a failed step fails the work it touched, not the engine
                 for seq in (batch.rows if batch else []) + joining:
                     seq.call.deliver(exc)
-                for update in updates:
-                    update.fail(exc)
-                batch = None
+                batch, joining = None, []
         closed = EngineClosedError("engine closed")
         with self._cond:
             leftovers, self._waiting = list(self._waiting), deque()
-            updates, self._updates = self._updates, []
-        for seq in (batch.rows if batch else []) + leftovers:
+        for seq in (batch.rows if batch else []) + joining + leftovers:
             seq.call.deliver(closed)
-        for update in updates:
-            update.fail(closed)
 
     def _take_waiting(self, free: int) -> list[_Sequence]:
         taken: list[_Sequence] = []
@@ -429,12 +374,12 @@ class HFRolloutEngine:
         for i, (seq, token, logprob) in enumerate(zip(rows, tokens, logprobs, strict=True)):
             seq.response_ids.append(token)
             seq.logprobs.append(logprob)
-            seq.versions.append(self._version)
+            seq.versions.append(self._serving)
             reason = self._finish_reason(seq)
             if reason is None:
                 still_running.append(i)
             else:
-                seq.call.deliver(self._to_sample(seq, reason))
+                seq.call.deliver(self._to_trajectory(seq, reason))
         return still_running
 
     def _sample(self, rows: list[_Sequence], logits: torch.Tensor) -> tuple[list[int], list[float]]:
@@ -470,75 +415,12 @@ class HFRolloutEngine:
             return FinishReason.LENGTH
         return None
 
-    def _to_sample(self, seq: _Sequence, reason: FinishReason) -> Sample:
+    def _to_trajectory(self, seq: _Sequence, reason: FinishReason) -> Trajectory:
         request = seq.request
-        return Sample(
-            prompt_id=request.prompt_id,
-            index=request.index,
-            prompt_ids=list(request.prompt_ids),
-            response_ids=seq.response_ids,
-            behaviour_logprobs=seq.logprobs,
-            token_versions=seq.versions,
-            start_version=seq.versions[0],
-            finish_reason=reason,
-            response_text=self._tokenizer.decode(seq.response_ids, skip_special_tokens=True),
-            resumed=seq.resumed,
+        return token_trajectory(
+            request.prompt_id, request.index, list(request.prompt_ids), seq.response_ids, seq.logprobs, seq.versions,
+            reason, text=self._tokenizer.decode(seq.response_ids, skip_special_tokens=True), resumed=seq.resumed,
         )
-
-    def _apply_update(self, update: _WeightUpdate, batch: _Batch | None) -> _Batch | None:
-        """Load new weights all-or-nothing, then resume in-flight rows per the resume policy."""
-        try:
-            staged = self._stage(update)
-        except Exception as exc:
-            update.done.set_exception(exc)
-            return batch
-        # Same shape, dtype and device on both sides: nothing left to fail half-way through.
-        for name, weight in self._weights.items():
-            weight.copy_(staged[name])
-        self._version = update.version
-        update.done.set_result(None)  # the new weights serve from here even if a resume fails
-        return self._resume_in_flight(batch)
-
-    def _submit_change(self, apply: Callable[[], int | None]) -> _WeightChange:
-        """Queue ``apply`` to run on the decode thread at the next step boundary; thread-safe."""
-        change = _WeightChange(apply)
-        with self._cond:
-            if self._closing:
-                raise EngineClosedError("weight change on a closed engine")
-            self._updates.append(change)
-            self._cond.notify()
-        return change
-
-    def _apply_change(self, change: _WeightChange, batch: _Batch | None) -> _Batch | None:
-        """Run a sync target's change; if it installed a version, resume in-flight rows as
-        ``_apply_update`` does."""
-        t0 = time.perf_counter()
-        change.started.set_result(None)
-        try:
-            version = change.apply()
-        except Exception as exc:
-            change.fail(exc)
-            return batch
-        if version is not None:
-            self._version = version
-        change.done.set_result(time.perf_counter() - t0)  # serving from here, as in _apply_update
-        return batch if version is None else self._resume_in_flight(batch)
-
-    def _swap_storage(self, incoming: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Decode thread only: make each tensor of ``incoming`` the storage of the weight of
-        its name (shape, dtype and device already checked) and return the storage it replaced.
-
-        Swaps ``.data`` of the module's own tensors, so every tied alias (one Parameter) and
-        every module reading it sees the new storage; nothing captured data pointers (no CUDA
-        graphs here).
-        """
-        owners = self._model.state_dict(keep_vars=True)
-        outgoing: dict[str, torch.Tensor] = {}
-        for name, tensor in incoming.items():
-            owner = owners[name]
-            outgoing[name], owner.data = owner.data, tensor
-        self._weights = unique_weights(self._model)  # views of the old storage went stale
-        return outgoing
 
     def _resume_in_flight(self, batch: _Batch | None) -> _Batch | None:
         """After a weight change: mark the in-flight rows and, under RECOMPUTE, rebuild their cache."""
@@ -550,149 +432,3 @@ class HFRolloutEngine:
             return batch
         rows = batch.rows
         return _merge([block for block, _ in self._prefill(rows, [s.cached_ids for s in rows])])
-
-    def _stage(self, update: _WeightUpdate) -> dict[str, torch.Tensor]:
-        """Read and check every tensor, converted to the model's device/dtype, before touching the model."""
-        if update.version <= self._version:
-            raise ValueError(f"weight version {update.version} is not above the serving version {self._version}")
-        items = update.named_tensors.items() if isinstance(update.named_tensors, Mapping) else update.named_tensors
-        staged: dict[str, torch.Tensor] = {}
-        for name, tensor in items:
-            weight = self._weights.get(name)
-            if weight is None:
-                raise KeyError(f"unknown weight {name!r}")
-            if name in staged:
-                raise KeyError(f"weight {name!r} given twice")
-            if tensor.shape != weight.shape:
-                raise ValueError(f"{name}: shape {tuple(tensor.shape)} != {tuple(weight.shape)}")
-            staged[name] = tensor.detach().to(device=weight.device, dtype=weight.dtype)
-        if missing := self._weights.keys() - staged.keys():
-            raise KeyError(f"missing weights: {sorted(missing)}")
-        return staged
-
-
-class HFSyncTarget:
-    """The engine's side of param_sync (:class:`param_sync.SyncTarget`): takes an update in
-    buckets on the receiver's thread and lets the decode thread change versions between steps.
-
-    ``pause``: ``begin_update`` parks the decode thread between two steps (it waits inside a
-    weight change); the buckets are copied into the live weights while it waits; ``commit``
-    sets the version and lets it go on. An update aborted after its first copy keeps the
-    thread parked (a half-loaded model never serves) until the next update commits.
-
-    ``swap``: a second weight set, allocated here, receives the buckets while the decode thread
-    keeps generating from the live one; ``commit`` has the decode thread swap the two sets'
-    storage between two steps (microseconds). An abort leaves the live set untouched.
-
-    Either way the version changes on the decode thread together with the weights, and
-    in-flight rows then resume per the engine's ``resume_policy`` (``_resume_in_flight``,
-    shared with ``submit_weights``). Dtypes are never converted: a transfer whose dtype or
-    shape differs from the engine's fails ``begin_update`` with a ``LayoutError`` naming the
-    weight. Use one target per engine; calls come from one thread (the receiver's).
-    """
-
-    def __init__(self, engine: HFRolloutEngine, *, load_mode: LoadMode = "swap") -> None:
-        if load_mode not in ("pause", "swap"):
-            raise ValueError(f"load_mode must be 'pause' or 'swap', got {load_mode!r}")
-        self._engine = engine
-        self._mode: LoadMode = load_mode
-        # A copy rather than empty_like: its pages are touched now, not faulted in (slowly)
-        # by the first update. Its values never serve before an update overwrote all of them.
-        self._idle = {n: t.clone() for n, t in engine._weights.items()} if load_mode == "swap" else {}
-        self._pending: int | None = None  # version of the update in progress
-        self._dst: dict[str, torch.Tensor] = {}  # name -> uint8 view of the tensor being loaded
-        # pause mode: the parked decode thread's change, and what it is told when released.
-        self._parked: _WeightChange | None = None
-        self._release: tuple[int | None] | None = None  # (version,) to commit, (None,) to abort
-        self._dirty = False  # pause mode: live weights partly overwritten by an unfinished update
-
-    @property
-    def load_mode(self) -> LoadMode:
-        return self._mode
-
-    @property
-    def loaded_version(self) -> int:
-        return self._engine.version
-
-    def begin_update(self, manifest: Manifest) -> None:
-        if self._pending is not None:
-            raise SyncError(f"update to version {self._pending} is still in progress")
-        if manifest.version < self._engine.version:
-            raise StaleVersionError(f"version {manifest.version} is older than loaded version {self._engine.version}")
-        live = self._engine._weights
-        for meta in manifest.tensors:
-            weight = live.get(meta.name)
-            if weight is None:
-                raise LayoutError(f"the rollout model has no weight {meta.name!r}")
-            meta.check_lands_in(weight)  # engines.dtype sets the trainer's and rollout's alike
-        if missing := live.keys() - {meta.name for meta in manifest.tensors}:
-            raise LayoutError(f"the transfer leaves {len(missing)} weights unset, e.g. {sorted(missing)[:3]}")
-        if self._mode == "swap":
-            self._wait_for_device()  # the idle set was live until the last swap
-            into = self._idle
-        else:
-            if self._parked is None:  # parked already if an aborted update left the weights dirty
-                change = self._engine._submit_change(self._wait_parked)
-                change.started.result()  # bounded by one decode step (raises if the engine closed)
-                self._parked = change
-            into = self._engine._weights
-        self._dst = {name: t.reshape(-1).view(torch.uint8) for name, t in into.items()}
-        self._pending = manifest.version
-
-    def load_bucket(self, slices: Sequence[TensorSlice]) -> None:
-        if self._pending is None:
-            raise SyncError("load_bucket outside an update")
-        self._dirty = self._mode == "pause"
-        for piece in slices:
-            self._dst[piece.name][piece.start : piece.start + piece.data.size].copy_(torch.from_numpy(piece.data))
-
-    def commit(self, version: int) -> float:
-        if self._pending != version:
-            raise SyncError(f"commit of version {version}, but the update in progress is {self._pending}")
-        if self._mode == "swap":
-            change = self._engine._submit_change(lambda: self._swap(version))
-        else:
-            assert self._parked is not None
-            change = self._parked
-            self._let_go(version)
-        self._pending, self._dst = None, {}
-        held_s = change.done.result()  # raises if the engine closed first: the receiver aborts
-        self._dirty = False
-        return held_s
-
-    def abort(self) -> None:
-        self._pending, self._dst = None, {}
-        if self._parked is not None and not self._dirty:
-            change = self._parked
-            self._let_go(None)
-            change.done.result()
-
-    # ----------------------------------------------------------------------- decode thread
-
-    def _wait_parked(self) -> int | None:
-        """Pause mode: hold the decode thread here until ``commit`` or ``abort`` lets it go."""
-        engine = self._engine
-        with engine._cond:
-            engine._cond.wait_for(lambda: self._release is not None or engine._closing)
-            release, self._release = self._release, None
-        if release is None:
-            raise EngineClosedError("engine closed during a paused weight update")
-        return release[0]
-
-    def _swap(self, version: int) -> int:
-        if version < self._engine.version:  # a submit_weights overtook this update
-            raise StaleVersionError(f"version {version} is older than loaded version {self._engine.version}")
-        self._idle = self._engine._swap_storage(self._idle)
-        return version
-
-    # -------------------------------------------------------------------- receiver thread
-
-    def _let_go(self, version: int | None) -> None:
-        with self._engine._cond:
-            self._release = (version,)
-            self._parked = None
-            self._engine._cond.notify_all()
-
-    def _wait_for_device(self) -> None:
-        for device in {t.device for t in self._idle.values() if t.device.type == "cuda"}:
-            torch.cuda.synchronize(device)

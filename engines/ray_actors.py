@@ -10,13 +10,13 @@ their blocking compute on their own worker threads, never on the actor's event l
   (:class:`~param_sync.transports.object_store.ObjectStoreEndpoint`), whose methods run in the
   ``weights`` concurrency group: on an event loop and thread of their own, so a load never
   stalls the streaming of samples.
-- :class:`TrainerActor`: the trained policy (``RLTrainer``) and the trainer end of weight sync
+- :class:`TrainerActor`: the trained policy (``TorchTrainEngine``) and the trainer end of weight sync
   (``TorchWeightSync`` over an :class:`ObjectStoreTransport` to the rollout actors, or over a
   ``DistTransport`` broadcasting to them in a gloo group, where they serve it on a thread).
-- :class:`ReferenceActor`: the frozen reference model; :class:`RewardActor`: the verifier.
+- :class:`ReferenceActor`: the frozen reference model; :class:`RewardActor`: the task's reward.
 
-Samples and groups cross as pickled records; an actor's changes to them (e.g. advantages set
-by the trainer) stay on its side, and everything the flow needs comes back as return values.
+Trajectories cross as pickled records; an actor's changes to them stay on its side, and
+everything the flow needs comes back as return values.
 """
 
 from __future__ import annotations
@@ -33,7 +33,9 @@ from typing import Any
 import numpy as np
 import ray
 
-from core.protocols import GenerationRequest, RewardResult, SyncReport
+from core.config import TandemConfig
+from core.protocols import GenerationRequest, LossObjective, Reward, RewardResult, SyncReport
+from core.records import PromptGroup, Trajectory
 from param_sync.bucket import BucketHeader, Manifest
 from param_sync.receiver import LoadReport, Receiver
 from param_sync.transports.object_store import (
@@ -41,8 +43,6 @@ from param_sync.transports.object_store import (
     ObjectStoreTransport,
     RemoteReceiver,
 )
-from core.config import TandemConfig
-from core.records import RolloutGroup, Sample
 
 __all__ = ["ReferenceActor", "RewardActor", "RolloutActor", "TrainerActor"]
 
@@ -54,23 +54,21 @@ _GLOO_TIMEOUT = datetime.timedelta(minutes=2)
 @ray.remote(concurrency_groups={"weights": 1024})
 class RolloutActor:
     def __init__(self, config: TandemConfig, name: str, num_threads: int) -> None:
-        from engines.hf_rollout import HFSyncTarget
         from engines.torch_components import rollout_engine
 
         _quiet()
         self.name = name
         self.engine = rollout_engine(config, num_threads)
-        target = HFSyncTarget(self.engine, load_mode=config.param_sync.load_mode)
-        self.receiver = Receiver(target, consume_bucket_mb=config.param_sync.consume_bucket_mb, engine=name)
+        self.receiver = Receiver(self.engine.target, consume_bucket_mb=config.param_sync.consume_bucket_mb, engine=name)
         self.endpoint = ObjectStoreEndpoint(self.receiver)
 
     async def ready(self) -> tuple[int, int]:
         """(process id, loaded version): a new pid means the actor was restarted."""
         return os.getpid(), self.engine.version
 
-    async def generate(self, requests: Sequence[GenerationRequest]) -> AsyncIterator[Sample]:
-        async for sample in self.engine.generate(requests):
-            yield sample
+    async def generate(self, requests: Sequence[GenerationRequest]) -> AsyncIterator[Trajectory]:
+        async for trajectory in self.engine.generate(requests):
+            yield trajectory
 
     async def join_dist(self, address: str, rank: int, world_size: int) -> None:
         """Join the trainer's gloo group as ``rank``; serve its broadcasts on a thread of its own."""
@@ -99,14 +97,12 @@ class RolloutActor:
 @ray.remote
 class TrainerActor:
     def __init__(self, config: TandemConfig, num_threads: int) -> None:
-        from engines.rl_trainer import RLTrainer
         from engines.tokenizer import load_tokenizer
         from engines.torch_components import resolve_model_path, train_engine
 
         _quiet()
         self.config = config
         self.engine = train_engine(config, num_threads)
-        self.trainer = RLTrainer(self.engine, config.algorithm)
         self.tokenizer = load_tokenizer(str(resolve_model_path(config.engines.model_path)))  # type: ignore[union-attr]
         self.weight_sync: Any = None
 
@@ -141,21 +137,21 @@ class TrainerActor:
         syncer = ParamSyncer(source, transport, produce_bucket_mb=self.config.param_sync.produce_bucket_mb)
         self.weight_sync = TorchWeightSync(source, syncer)
 
-    async def train_step(self, groups: Sequence[RolloutGroup]) -> tuple[dict[str, float], int]:
-        metrics = await self.trainer.train_step(groups)
+    async def train_step(self, batch: Sequence[Trajectory], objective: LossObjective) -> tuple[dict[str, float], int]:
+        metrics = await self.engine.train_step(batch, objective)
         return metrics, self.engine.version
 
-    async def logprobs(self, samples: Sequence[Sample]) -> list[list[float]]:
-        return await self.trainer.logprobs(samples)
+    async def logprobs(self, trajectories: Sequence[Trajectory]) -> list[list[float]]:
+        return await self.engine.logprobs(trajectories)
 
     async def sync(self, version: int) -> SyncReport:
         return await self.weight_sync.sync(version)
 
     async def save_state(self, folder: str) -> None:
-        await self.trainer.save_state(Path(folder))
+        await self.engine.save_state(Path(folder))
 
     async def load_state(self, folder: str) -> tuple[int, int]:
-        await self.trainer.load_state(Path(folder))
+        await self.engine.load_state(Path(folder))
         return os.getpid(), self.engine.version
 
     async def save_checkpoint(self, folder: str) -> None:
@@ -189,19 +185,19 @@ class ReferenceActor:
     async def ready(self) -> tuple[int, int]:
         return os.getpid(), self.engine.version
 
-    async def logprobs(self, samples: Sequence[Sample]) -> list[list[float]]:
-        return await self.engine.logprobs(samples)
+    async def logprobs(self, trajectories: Sequence[Trajectory]) -> list[list[float]]:
+        return await self.engine.logprobs(trajectories)
 
 
 @ray.remote
 class RewardActor:
-    def __init__(self, config: TandemConfig) -> None:
-        from engines.torch_components import verifier_reward
+    """Hosts the task's reward (built by the driver, pickled here before it started any worker)."""
 
-        self.reward = verifier_reward(config)
+    def __init__(self, reward: Reward) -> None:
+        self.reward = reward
 
     async def ready(self) -> tuple[int, int]:
         return os.getpid(), 0
 
-    async def score(self, samples: Sequence[Sample], answers: Sequence[str | None]) -> list[RewardResult]:
-        return await self.reward.score(samples, answers)
+    async def score(self, trajectories: Sequence[Trajectory], groups: Sequence[PromptGroup]) -> list[RewardResult]:
+        return await self.reward.score(trajectories, groups)

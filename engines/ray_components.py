@@ -42,12 +42,12 @@ from ray.util.placement_group import (
 )
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from core.protocols import GenerationRequest, RewardResult, SyncReport
-from engines.ray_actors import ReferenceActor, RewardActor, RolloutActor, TrainerActor
-from core.components import Components
+from core.components import Components, TaskSetup
 from core.config import TandemConfig, TorchEnginesConfig
-from core.records import RolloutGroup, Sample
+from core.protocols import GenerationRequest, LossObjective, RewardResult, SyncReport
+from core.records import PromptGroup, Trajectory
 from core.resources import ActorPlacement, ResourcePlan, plan_resources
+from engines.ray_actors import ReferenceActor, RewardActor, RolloutActor, TrainerActor
 
 __all__ = [
     "ActorFailedError",
@@ -124,7 +124,7 @@ class RayRolloutEngine:
         """A weight sync loaded ``version`` into every actor."""
         self._version = max(self._version, version)
 
-    def generate(self, requests: Sequence[GenerationRequest]) -> AsyncIterator[Sample]:
+    def generate(self, requests: Sequence[GenerationRequest]) -> AsyncIterator[Trajectory]:
         return self._generate(self._split(requests))
 
     def _split(self, requests: Sequence[GenerationRequest]) -> dict[ActorRef, list[GenerationRequest]]:
@@ -139,7 +139,7 @@ class RayRolloutEngine:
             parts.setdefault(actor, []).extend(group)
         return parts
 
-    async def _generate(self, parts: dict[ActorRef, list[GenerationRequest]]) -> AsyncIterator[Sample]:
+    async def _generate(self, parts: dict[ActorRef, list[GenerationRequest]]) -> AsyncIterator[Trajectory]:
         streams = {actor: actor.handle.generate.remote(reqs) for actor, reqs in parts.items()}
         left = {actor: len(reqs) for actor, reqs in parts.items()}
         nexts = {asyncio.ensure_future(self._next(actor, stream)): actor for actor, stream in streams.items()}
@@ -163,7 +163,7 @@ class RayRolloutEngine:
                 if left[actor]:
                     ray.cancel(stream)  # the actor drops the requests nobody listens to any more
 
-    async def _next(self, actor: ActorRef, stream: Any) -> Sample | None:
+    async def _next(self, actor: ActorRef, stream: Any) -> Trajectory | None:
         try:
             ref = await stream.__anext__()
             return await ref
@@ -205,11 +205,11 @@ class RayTrainEngine:
     def version(self) -> int:
         return self._version
 
-    async def logprobs(self, samples: Sequence[Sample]) -> list[list[float]]:
-        return await self.actor.call(self.actor.handle.logprobs.remote(list(samples)))
+    async def logprobs(self, trajectories: Sequence[Trajectory]) -> list[list[float]]:
+        return await self.actor.call(self.actor.handle.logprobs.remote(list(trajectories)))
 
-    async def train_step(self, groups: Sequence[RolloutGroup]) -> dict[str, float]:
-        metrics, self._version = await self.actor.call(self.actor.handle.train_step.remote(list(groups)))
+    async def train_step(self, batch: Sequence[Trajectory], objective: LossObjective) -> dict[str, float]:
+        metrics, self._version = await self.actor.call(self.actor.handle.train_step.remote(list(batch), objective))
         return metrics
 
     async def save_state(self, folder: Path) -> None:
@@ -230,8 +230,8 @@ class RayLogProbEngine:
     def version(self) -> int:
         return 0
 
-    async def logprobs(self, samples: Sequence[Sample]) -> list[list[float]]:
-        return await self.actor.call(self.actor.handle.logprobs.remote(list(samples)))
+    async def logprobs(self, trajectories: Sequence[Trajectory]) -> list[list[float]]:
+        return await self.actor.call(self.actor.handle.logprobs.remote(list(trajectories)))
 
 
 class RayReward:
@@ -240,8 +240,8 @@ class RayReward:
     def __init__(self, actor: ActorRef) -> None:
         self.actor = actor
 
-    async def score(self, samples: Sequence[Sample], answers: Sequence[str | None]) -> list[RewardResult]:
-        return await self.actor.call(self.actor.handle.score.remote(list(samples), list(answers)))
+    async def score(self, trajectories: Sequence[Trajectory], groups: Sequence[PromptGroup]) -> list[RewardResult]:
+        return await self.actor.call(self.actor.handle.score.remote(list(trajectories), list(groups)))
 
 
 class RayWeightSync:
@@ -330,7 +330,7 @@ def _threads(config: TandemConfig, placement: ActorPlacement) -> int:
     return chosen or len(placement.slots)
 
 
-def build_ray_components(config: TandemConfig) -> Components:
+def build_ray_components(config: TandemConfig, setup: TaskSetup) -> Components:
     """Start (or join) the cluster, place the actors, and hand back their proxies.
 
     Nothing here waits on an actor: the first call to each waits for it to start (a model
@@ -338,13 +338,14 @@ def build_ray_components(config: TandemConfig) -> Components:
     placement group, and stops the cluster if this started it; it runs on success, error and
     Ctrl-C alike (the flow closes the components it built in a ``finally``).
     """
+    from engines.text_workflow import SingleTurnWorkflow
     from engines.tokenizer import load_tokenizer
     from engines.torch_components import (
-        held_out_prompts,
         prompt_budget,
-        prompt_source,
         resolve_model_path,
         sampling_params,
+        tokenized,
+        tokenized_held_out,
     )
 
     spec = config.engines
@@ -376,8 +377,8 @@ def build_ray_components(config: TandemConfig) -> Components:
             ref = ActorRef(placement.role, placement.name, handle, restartable=placement.role == "generate" and restarts > 0)
             actors.setdefault(placement.role, []).append(ref)
             cluster.actors.append(ref)
-        # The verifier is cheap: it reserves no slot.
-        reward_actor = RewardActor.options(num_cpus=0, max_restarts=restarts).remote(config)
+        # The reward reserves no slot: its functions run in its own worker processes.
+        reward_actor = RewardActor.options(num_cpus=0, max_restarts=restarts).remote(setup.reward)
         reward = ActorRef("reward", "reward", reward_actor, restartable=restarts > 0)
         cluster.actors.append(reward)
     except BaseException:
@@ -398,13 +399,12 @@ def build_ray_components(config: TandemConfig) -> Components:
         await trainer.call(trainer.handle.save_checkpoint.remote(str(folder)))
 
     return Components(
-        prompts=prompt_source(config, tokenizer),
-        held_out=held_out_prompts(tokenizer),
-        rollout=rollout,
+        prompts=tokenized(setup.items, tokenizer),
+        held_out=tokenized_held_out(setup.task, tokenizer),
+        workflow=SingleTurnWorkflow(rollout, sampling_params(config)),
         trainer=RayTrainEngine(trainer),
         reward=RayReward(reward),
         weight_sync=weight_sync,
-        sampling=sampling_params(config),
         reference=RayLogProbEngine(actors["ref_logp"][0]) if "ref_logp" in actors else None,
         close_callbacks=[cluster.close],
         save_checkpoint=checkpoint,

@@ -1,4 +1,7 @@
-"""Builds the embedded torch bundle from a config: model, tokenizer, engines, reward, data, sync.
+"""Builds the embedded torch bundle of the text workload: model, tokenizer, engines, data, sync.
+
+The task's items are tokenized here, as they are loaded, with the model's own tokenizer; the
+task's reward comes ready from the builder (``pipeline.builders``).
 
 Weight sync is param_sync's path (``engines.torch_sync``): the trainer's weights are gathered
 under its weights lock into a dual buffer and loaded into the rollout engine bucket by bucket
@@ -14,44 +17,47 @@ from __future__ import annotations
 
 import asyncio
 import os
-import random
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from engines.hf_rollout import HFRolloutEngine
+from core.components import Components, PromptSource, TaskSetup
+from core.config import ConfigError, TandemConfig, TorchEnginesConfig
 from core.protocols import SamplingParams
-from engines.rl_trainer import RLTrainer
+from core.records import TaskItem
+from core.task import Task
+from engines.hf_rollout import HFRolloutEngine
+from engines.text_workflow import SingleTurnWorkflow
 from engines.tokenizer import load_tokenizer
 from engines.torch_sync import TorchWeightSync
 from engines.torch_train import TorchLogProbEngine, TorchTrainEngine
-from engines.verifier_reward import VerifierReward
-from core.components import Components, SourcePrompt
-from core.config import ConfigError, TandemConfig, TorchEnginesConfig
 
 __all__ = [
     "build_torch_components",
-    "held_out_prompts",
     "prompt_budget",
-    "prompt_source",
     "reference_engine",
     "resolve_model_path",
     "rollout_engine",
     "sampling_params",
     "save_checkpoint",
     "thread_budgets",
+    "tokenized",
+    "tokenized_held_out",
     "train_engine",
-    "verifier_reward",
 ]
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def resolve_model_path(path: Path) -> Path:
-    """A model folder as given, else relative to the project root; an error names both tries."""
+def resolve_model_path(path: Path | None) -> Path:
+    """A model folder as given, else relative to the project root; an error names both tries.
+    (The builder fills ``engines.model_path`` from the task when the config leaves it out.)"""
+    if path is None:
+        raise ConfigError("engines.model_path: no model given, and the task ships none")
     for candidate in (path, PROJECT_ROOT / path):
         if (candidate / "config.json").is_file():
             return candidate
@@ -70,67 +76,23 @@ def thread_budgets(config: TandemConfig, cores: int | None = None) -> tuple[int,
     return spec.generation_threads or share, spec.train_threads or per_rank
 
 
-def _tokenize(tokenizer: Any, prompt: str) -> list[int]:
-    return list(tokenizer(prompt)["input_ids"])
+def tokenized(items: PromptSource, tokenizer: Any) -> PromptSource:
+    """``items`` with each item's prompt tokenized by ``tokenizer`` (the data position is kept)."""
 
-
-def task_prompts(tokenizer: Any, chunk: int = 1024) -> Any:
-    """An endless prompt source from the arithmetic task's generator, chunk by chunk."""
-    from tasks.arithmetic import generate_problems
-
-    def source(seed: int) -> Iterator[SourcePrompt]:
-        for block in range(1 << 62):
-            for row in generate_problems(chunk, seed * 1_000_003 + block):
-                yield SourcePrompt(row["prompt"], _tokenize(tokenizer, row["prompt"]), row["answer"])
+    def source(seed: int, start: int = 0) -> Iterator[TaskItem]:
+        for item in items(seed, start):
+            yield replace(item, prompt_ids=list(tokenizer(item.prompt)["input_ids"]))
 
     return source
 
 
-def held_out_prompts(tokenizer: Any) -> Callable[[int], list[SourcePrompt]]:
-    """The task's held-out evaluation set: the problems pretraining reported its accuracy on,
-    drawn from a seed no run trains on (the validate role's data stream)."""
-    from tasks.arithmetic import generate_problems
-    from tasks.arithmetic.pretrain import REPORT_SEED
+def tokenized_held_out(task: Task, tokenizer: Any) -> Callable[[int], list[TaskItem]]:
+    """The task's held-out items, tokenized (the validate role's data)."""
 
-    def held_out(n: int) -> list[SourcePrompt]:
-        rows = generate_problems(n, REPORT_SEED)
-        return [SourcePrompt(row["prompt"], _tokenize(tokenizer, row["prompt"]), row["answer"]) for row in rows]
+    def held_out(n: int) -> list[TaskItem]:
+        return [replace(item, prompt_ids=list(tokenizer(item.prompt)["input_ids"])) for item in task.held_out(n)]
 
     return held_out
-
-
-def file_prompts(path: Path, tokenizer: Any) -> Any:
-    """A prompt source over a JSONL or Parquet file of {"prompt", "answer"} rows (via datasets),
-    reshuffled each epoch from the seed. A bad row fails here, before the run starts."""
-    import datasets
-
-    if not path.is_file():
-        raise ConfigError(f"task.data_path: no such file {path}")
-    kind = "parquet" if path.suffix == ".parquet" else "json"
-    try:
-        table = datasets.load_dataset(kind, data_files=str(path), split="train")
-    except Exception as exc:
-        raise ConfigError(f"task.data_path: cannot read {path}: {exc}") from None
-    rows: list[tuple[str, str | None]] = []
-    for i, row in enumerate(table):
-        prompt, answer = row.get("prompt"), row.get("answer")
-        if not isinstance(prompt, str) or not prompt:
-            raise ConfigError(f"task.data_path {path}: row {i} has no non-empty string 'prompt': {row!r}")
-        if answer is not None and not isinstance(answer, str):
-            raise ConfigError(f"task.data_path {path}: row {i}: 'answer' must be a string, got {answer!r}")
-        rows.append((prompt, answer))
-    if not rows:
-        raise ConfigError(f"task.data_path {path}: no rows")
-
-    def source(seed: int) -> Iterator[SourcePrompt]:
-        for epoch in range(1 << 62):
-            order = list(range(len(rows)))
-            random.Random(seed * 1_000_003 + epoch).shuffle(order)
-            for i in order:
-                prompt, answer = rows[i]
-                yield SourcePrompt(prompt, _tokenize(tokenizer, prompt), answer)
-
-    return source
 
 
 def rollout_engine(config: TandemConfig, num_threads: int) -> HFRolloutEngine:
@@ -140,6 +102,7 @@ def rollout_engine(config: TandemConfig, num_threads: int) -> HFRolloutEngine:
     return HFRolloutEngine(
         str(resolve_model_path(spec.model_path)), device=spec.device, dtype=_DTYPES[spec.dtype],
         max_batch_size=spec.max_batch_size, num_threads=num_threads, resume_policy=spec.resume_policy,
+        load_mode=config.param_sync.load_mode,
     )
 
 
@@ -166,21 +129,9 @@ def reference_engine(config: TandemConfig, num_threads: int) -> TorchLogProbEngi
     )
 
 
-def verifier_reward(config: TandemConfig) -> VerifierReward:
-    """The task's rule-based reward, scored in a worker process."""
-    from tasks.arithmetic import verify
-
-    return VerifierReward(verify, timeout_s=config.task.reward_timeout_s)
-
-
 def sampling_params(config: TandemConfig) -> SamplingParams:
     r = config.rollout
     return SamplingParams(r.max_new_tokens, r.temperature, r.top_p, r.top_k, tuple(r.stop))
-
-
-def prompt_source(config: TandemConfig, tokenizer: Any) -> Any:
-    """The run's prompts: the data file if one is named, else the task's generator."""
-    return file_prompts(config.task.data_path, tokenizer) if config.task.data_path else task_prompts(tokenizer)
 
 
 def prompt_budget(config: TandemConfig, tokenizer: Any) -> int:
@@ -218,8 +169,8 @@ def save_checkpoint(engine: TorchTrainEngine, tokenizer: Any, folder: Path) -> N
     tokenizer.save_pretrained(folder)
 
 
-def build_torch_components(config: TandemConfig) -> Components:
-    """The embedded bundle for a config whose ``engines.type`` is ``torch``."""
+def build_torch_components(config: TandemConfig, setup: TaskSetup) -> Components:
+    """The embedded bundle of the text workload, for a config whose ``engines.type`` is ``torch``."""
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # per-load bars would interleave with the run's own display
@@ -231,26 +182,23 @@ def build_torch_components(config: TandemConfig) -> Components:
     rollout = rollout_engine(config, gen_threads)
     engine = train_engine(config, train_threads)
     reference = reference_engine(config, train_threads) if "ref_logp" in config.flow.stages else None
-    reward = verifier_reward(config)
     ps = config.param_sync
     weight_sync = TorchWeightSync.in_process(
-        engine, rollout, load_mode=ps.load_mode,
-        produce_bucket_mb=ps.produce_bucket_mb, consume_bucket_mb=ps.consume_bucket_mb,
+        engine, rollout, produce_bucket_mb=ps.produce_bucket_mb, consume_bucket_mb=ps.consume_bucket_mb
     )
 
     async def checkpoint(folder: Path) -> None:
         await asyncio.to_thread(save_checkpoint, engine, tokenizer, folder)
 
     # The sync first: a sync in flight finishes against live engines before they stop.
-    closers = [weight_sync.close, rollout.close, engine.close, reward.close] + ([reference.close] if reference else [])
+    closers = [weight_sync.close, rollout.close, engine.close] + ([reference.close] if reference else [])
     return Components(
-        prompts=prompt_source(config, tokenizer),
-        held_out=held_out_prompts(tokenizer),
-        rollout=rollout,
-        trainer=RLTrainer(engine, config.algorithm),
-        reward=reward,
+        prompts=tokenized(setup.items, tokenizer),
+        held_out=tokenized_held_out(setup.task, tokenizer),
+        workflow=SingleTurnWorkflow(rollout, sampling_params(config)),
+        trainer=engine,
+        reward=setup.reward,
         weight_sync=weight_sync,
-        sampling=sampling_params(config),
         reference=reference,
         close_callbacks=closers,
         save_checkpoint=checkpoint,

@@ -9,8 +9,8 @@ the rank processes (``spawn``, daemonic), rendezvouses a gloo process group with
 loss weighting and thread budget are the same code as rank 0's.
 
 A step, as the driver runs it (every message is a dataclass below):
-1. the trained samples are split across ranks balanced by tokens (:func:`balance`); each rank
-   gets its share, the pickled loss function and the step's :class:`StepTotals`;
+1. the trained trajectories are split across ranks balanced by tokens (:func:`balance`); each
+   rank gets its share, the pickled objective and the step's :class:`StepTotals`;
 2. every rank accumulates its share's gradient, each micro-batch loss weighted by its share of
    the whole step's tokens or sequences, and replies :class:`Accumulated` or :class:`Failed`;
 3. only when every rank has replied does the driver send :class:`ReduceGradients`: ``proceed``
@@ -50,11 +50,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from core.protocols import LossObjective
+from core.records import Trajectory
 from engines.threads import apply_thread_budget
-from core.records import Sample
+from engines.torch_microbatch import token_payload
 
 if TYPE_CHECKING:
-    from engines.torch_train import LossFn, StepTotals, TorchTrainEngine
+    from engines.torch_train import StepTotals, TorchTrainEngine
 
 __all__ = ["DataParallelRanks", "TrainRankError", "all_reduce_gradients", "balance", "broadcast_parameters"]
 
@@ -81,7 +83,7 @@ class TrainRankError(RuntimeError):
 class TrainShare:
     """This rank's samples of a step, how to weigh them, and the loss (pickled once per step)."""
 
-    samples: list[Sample]
+    samples: list[Trajectory]
     loss_fn: bytes
     totals: StepTotals
 
@@ -326,7 +328,7 @@ class DataParallelRanks:
             raise
 
     def train_step(
-        self, samples: list[Sample], trained: list[int], loss_fn: LossFn, totals: StepTotals
+        self, samples: list[Trajectory], trained: list[int], loss_fn: LossObjective, totals: StepTotals
     ) -> tuple[dict[str, float], int, float]:
         """One data-parallel optimizer step; returns (weighted metric sums, micro-batches, grad norm)."""
         self._check_usable()
@@ -334,7 +336,7 @@ class DataParallelRanks:
             pickled = pickle.dumps(loss_fn)
         except Exception as exc:
             raise TypeError(f"loss_fn must be picklable to reach the other train ranks: {exc}") from exc
-        costs = [len(samples[i].prompt_ids) + samples[i].num_tokens for i in trained]
+        costs = [len(token_payload(samples[i]).prompt_ids) + samples[i].num_actions for i in trained]
         shares = [[trained[j] for j in share] for share in balance(costs, len(self._ranks) + 1)]
         for r, share in zip(self._ranks, shares[1:], strict=True):
             self._send(r, TrainShare([samples[i] for i in share], pickled, totals))

@@ -1,8 +1,9 @@
-"""Token-budget micro-batches of samples and the per-token log-probs of their response tokens.
+"""Token-budget micro-batches of token trajectories and the per-token log-probs of their responses.
 
-What it owns: how a list of samples becomes padded forward passes and how each response
-token's log-prob and entropy are read back out of the logits. Pure functions of their
-inputs; the engines in ``engines/torch_train.py`` decide threads, grads and optimizers.
+What it owns: how a list of token trajectories (``TokenPayload``: text, and multi-turn episodes
+whose environment tokens are masked out of the loss) becomes padded forward passes, and how
+each response token's log-prob and entropy are read back out of the logits. Pure functions of
+their inputs; the engines in ``engines/torch_train.py`` decide threads, grads and optimizers.
 
 Invariants:
 - samples are sorted longest first and packed greedily so that ``rows * longest`` (the padded
@@ -11,7 +12,9 @@ Invariants:
 - sequences are right-padded (prompt then response, positions ``0..len-1``), so every real
   token sees exactly the context the rollout engine gave it;
 - log-probs are ``log_softmax(logits / temperature)`` at the positions that predicted each
-  response token, in float32, ``[rows, longest response]`` and aligned with ``response_ids``.
+  response token, in float32, ``[rows, longest response]`` and aligned with ``response_ids``;
+- ``mask`` is 1.0 on every real response token (all are scored), ``loss_mask`` only on those
+  the loss trains (a trajectory's ``loss_mask``; all of them when it has none).
 """
 
 from __future__ import annotations
@@ -21,9 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
-from core.records import Sample
+from core.records import TokenPayload, Trajectory
 
-__all__ = ["MicroBatch", "collate", "plan_micro_batches", "response_logprobs"]
+__all__ = ["MicroBatch", "collate", "plan_micro_batches", "response_logprobs", "token_payload"]
 
 
 def plan_micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
@@ -46,7 +49,8 @@ class MicroBatch:
     """One padded forward pass over some samples.
 
     ``gather_index`` [rows, R] indexes the kept logits (the last ``logits_to_keep`` positions)
-    at the position predicting each response token; ``mask`` [rows, R] is 1.0 on real tokens.
+    at the position predicting each response token; ``mask`` [rows, R] is 1.0 on real tokens,
+    ``loss_mask`` [rows, R] on the real tokens that are trained.
     """
 
     indices: list[int]  # positions of the rows in the caller's sample list
@@ -56,15 +60,28 @@ class MicroBatch:
     gather_index: torch.Tensor
     response_ids: torch.Tensor
     mask: torch.Tensor
+    loss_mask: torch.Tensor
 
     @property
     def num_tokens(self) -> int:
-        return int(self.mask.sum().item())
+        """Trained tokens: what a token-mean loss divides by."""
+        return int(self.loss_mask.sum().item())
 
 
-def collate(samples: Sequence[Sample], indices: list[int], device: torch.device) -> MicroBatch:
-    """Right-pad ``samples[indices]`` (prompt + response) into one micro-batch."""
-    rows = [samples[i] for i in indices]
+def token_payload(trajectory: Trajectory) -> TokenPayload:
+    """The trajectory's tokens; an error names it if it is not a token trajectory."""
+    payload = trajectory.payload
+    if not isinstance(payload, TokenPayload):
+        raise TypeError(
+            f"prompt {trajectory.prompt_id} trajectory {trajectory.index}: the torch text engines train token "
+            f"trajectories, got a {type(payload).__name__} payload"
+        )
+    return payload
+
+
+def collate(trajectories: Sequence[Trajectory], indices: list[int], device: torch.device) -> MicroBatch:
+    """Right-pad ``trajectories[indices]`` (prompt + response) into one micro-batch."""
+    rows = [token_payload(trajectories[i]) for i in indices]
     prompt_lens = [len(s.prompt_ids) for s in rows]
     response_lens = [len(s.response_ids) for s in rows]
     length = max(p + r for p, r in zip(prompt_lens, response_lens, strict=True))
@@ -73,12 +90,18 @@ def collate(samples: Sequence[Sample], indices: list[int], device: torch.device)
     attention_mask = torch.zeros(len(rows), length, dtype=torch.long)
     response_ids = torch.zeros(len(rows), longest_response, dtype=torch.long)
     mask = torch.zeros(len(rows), longest_response)
-    for b, s in enumerate(rows):
-        tokens = s.prompt_ids + s.response_ids
+    loss_mask = torch.zeros(len(rows), longest_response)
+    for b, (i, s) in enumerate(zip(indices, rows, strict=True)):
+        tokens = [*s.prompt_ids, *s.response_ids]
         input_ids[b, : len(tokens)] = torch.tensor(tokens)
         attention_mask[b, : len(tokens)] = 1
         response_ids[b, : len(s.response_ids)] = torch.tensor(s.response_ids, dtype=torch.long)
         mask[b, : len(s.response_ids)] = 1.0
+        trained = trajectories[i].loss_mask
+        if trained is None:
+            loss_mask[b, : len(s.response_ids)] = 1.0
+        else:
+            loss_mask[b, : len(trained)] = torch.tensor(trained, dtype=torch.float32)
     # Only positions from the shortest prompt's last token on predict response tokens: keep
     # those logits, not the whole [rows, length, vocab] block.
     first = min(prompt_lens) - 1
@@ -93,6 +116,7 @@ def collate(samples: Sequence[Sample], indices: list[int], device: torch.device)
         gather_index=gather_index.to(device),
         response_ids=response_ids.to(device),
         mask=mask.to(device),
+        loss_mask=loss_mask.to(device),
     )
 
 

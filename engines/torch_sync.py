@@ -3,7 +3,7 @@
 What it owns: the trainer-side :class:`~param_sync.SyncSource` (:class:`TrainerSyncSource`)
 and the flow's ``WeightSync`` (:class:`TorchWeightSync`), which drives a
 :class:`~param_sync.ParamSyncer` on an event loop of its own. The rollout side is
-``engines.hf_rollout.HFSyncTarget``.
+the rollout engine's own ``target`` (a :class:`~param_sync.ModuleTarget`).
 
 Invariants:
 - a gather never sees a torn optimizer step: it reads the trainer's live weights while holding
@@ -28,10 +28,10 @@ from collections.abc import Iterator
 
 import torch
 
-from engines.hf_rollout import HFRolloutEngine, HFSyncTarget
 from core.protocols import SyncReport
+from engines.hf_rollout import HFRolloutEngine
 from engines.torch_train import TorchTrainEngine
-from param_sync import GatherError, InProcessTransport, LoadMode, ParamSyncer, Receiver
+from param_sync import GatherError, InProcessTransport, ParamSyncer, Receiver
 
 __all__ = ["TorchWeightSync", "TrainerMovedOnError", "TrainerSyncSource"]
 
@@ -87,13 +87,13 @@ class TorchWeightSync:
         trainer: TorchTrainEngine,
         rollout: HFRolloutEngine,
         *,
-        load_mode: LoadMode,
         produce_bucket_mb: float,
         consume_bucket_mb: float,
     ) -> TorchWeightSync:
-        """Trainer and rollout engine in this process: the rollout reads the trainer's buffer."""
+        """Trainer and rollout engine in this process: the rollout reads the trainer's buffer (in
+        ``swap`` mode it serves straight from it)."""
         source = TrainerSyncSource(trainer)
-        receiver = Receiver(HFSyncTarget(rollout, load_mode=load_mode), consume_bucket_mb=consume_bucket_mb)
+        receiver = Receiver(rollout.target, consume_bucket_mb=consume_bucket_mb)
         transport = InProcessTransport([receiver])
         return cls(source, ParamSyncer(source, transport, produce_bucket_mb=produce_bucket_mb))
 

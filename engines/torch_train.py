@@ -7,13 +7,16 @@ never computes; ``async`` methods await the worker's future.
 
 Invariants:
 - log-probs are ``log_softmax(logits / temperature)`` of each response token, float32,
-  aligned with ``Sample.response_ids``; the rollout engine samples at the same temperature
-  and returns the same quantity, so on equal weights the two agree to float rounding;
+  aligned with the trajectory's ``TokenPayload.response_ids``; the rollout engine samples at
+  the same temperature and returns the same quantity, so on equal weights the two agree to
+  float rounding;
 - ``TorchTrainEngine.version`` counts optimizer steps (plus the ``start_version`` it resumed at);
-- one ``train_step`` is one optimizer step over all its groups, whatever the number of
-  micro-batches: each micro-batch loss (a mean over its tokens or its sequences) is weighted
-  by the micro-batch's share of the step's tokens or sequences, so the accumulated gradient
-  equals that of the same mean over the whole step;
+- one ``train_step`` is one optimizer step over all its trajectories, whatever the number of
+  micro-batches: each micro-batch loss (a mean over its trained tokens or its sequences, as
+  the objective's ``mean_over`` says) is weighted by the micro-batch's share of the step's
+  trained tokens or sequences, so the accumulated gradient equals that of the same mean over
+  the whole step; tokens a trajectory's ``loss_mask`` leaves out (an episode's environment
+  tokens) carry no gradient;
 - the model stays in ``eval()`` mode while training: dropout would make the recomputed
   log-probs disagree with the ones the losses compare them to;
 - the weights and ``version`` change together, only under ``TorchTrainEngine``'s weights lock
@@ -38,26 +41,24 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Self, TypeVar
+from typing import TYPE_CHECKING, Any, Self, TypeVar
 
 import torch
 from transformers import AutoModelForCausalLM
 
 from algorithms.batch import LossInputs
+from algorithms.objective import LossMeanOver
+from core.protocols import LossObjective
+from core.records import Trajectory
 from engines.threads import budgeted_executor
-from engines.torch_microbatch import MicroBatch, collate, plan_micro_batches, response_logprobs
-from engines.torch_weights import unique_weights
-from core.records import RolloutGroup, Sample
+from engines.torch_microbatch import MicroBatch, collate, plan_micro_batches, response_logprobs, token_payload
+from param_sync import unique_weights
 
 if TYPE_CHECKING:
     from engines.torch_ddp import DataParallelRanks
 
-__all__ = ["TRAINER_STATE_FILE", "LossFn", "LossMeanOver", "StepTotals", "TorchLogProbEngine", "TorchTrainEngine"]
+__all__ = ["TRAINER_STATE_FILE", "StepTotals", "TorchLogProbEngine", "TorchTrainEngine"]
 
-LossFn = Callable[[LossInputs], tuple[torch.Tensor, dict[str, float]]]
-# What a loss averages over inside a micro-batch: "tokens" for a token mean, "sequences" for
-# a mean over sequences (of per-sequence token means or sums).
-LossMeanOver = Literal["tokens", "sequences"]
 _T = TypeVar("_T")
 TRAINER_STATE_FILE = "trainer.pt"  # what save_state writes into a checkpoint folder
 
@@ -65,7 +66,8 @@ TRAINER_STATE_FILE = "trainer.pt"  # what save_state writes into a checkpoint fo
 @dataclass(frozen=True, slots=True)
 class StepTotals:
     """The whole step's trained tokens and sequences (over every rank): the denominators of the
-    micro-batch loss weights, so the weighted sum of micro-batch losses is the step's mean."""
+    micro-batch loss weights, so the weighted sum of micro-batch losses is the step's mean. A
+    sequence counts when it has at least one trained token."""
 
     mean_over: LossMeanOver
     tokens: int
@@ -113,14 +115,16 @@ class _TorchModelEngine:
         """The model, for inspection; mutate it only through the engine's methods."""
         return self._model
 
-    async def logprobs(self, samples: Sequence[Sample]) -> list[list[float]]:
-        """Per-token log-probs of each sample's response tokens, aligned with ``response_ids``."""
-        logprobs, _ = await self.logprobs_and_entropy(samples)
+    async def logprobs(self, trajectories: Sequence[Trajectory]) -> list[list[float]]:
+        """Per-token log-probs of each trajectory's response tokens, aligned with ``response_ids``."""
+        logprobs, _ = await self.logprobs_and_entropy(trajectories)
         return logprobs
 
-    async def logprobs_and_entropy(self, samples: Sequence[Sample]) -> tuple[list[list[float]], list[list[float]]]:
-        """Per-token log-probs and entropies of each sample's response tokens."""
-        return await self._on_worker(self._score, samples)
+    async def logprobs_and_entropy(
+        self, trajectories: Sequence[Trajectory]
+    ) -> tuple[list[list[float]], list[list[float]]]:
+        """Per-token log-probs and entropies of each trajectory's response tokens."""
+        return await self._on_worker(self._score, trajectories)
 
     def close(self) -> None:
         """Finish queued work and stop the worker thread."""
@@ -138,20 +142,20 @@ class _TorchModelEngine:
     async def _on_worker(self, fn: Callable[..., _T], *args: Any) -> _T:
         return await asyncio.wrap_future(self._executor.submit(fn, *args))
 
-    def _micro_batches(self, samples: Sequence[Sample], indices: list[int]) -> Iterator[MicroBatch]:
-        lengths = [len(samples[i].prompt_ids) + samples[i].num_tokens for i in indices]
+    def _micro_batches(self, trajectories: Sequence[Trajectory], indices: list[int]) -> Iterator[MicroBatch]:
+        lengths = [len(token_payload(trajectories[i]).prompt_ids) + trajectories[i].num_actions for i in indices]
         for group in plan_micro_batches(lengths, self._max_tokens):
-            yield collate(samples, [indices[j] for j in group], self._device)
+            yield collate(trajectories, [indices[j] for j in group], self._device)
 
-    def _score(self, samples: Sequence[Sample]) -> tuple[list[list[float]], list[list[float]]]:
-        logprobs: list[list[float]] = [[] for _ in samples]
-        entropies: list[list[float]] = [[] for _ in samples]
-        scored = [i for i, s in enumerate(samples) if s.num_tokens > 0]
+    def _score(self, trajectories: Sequence[Trajectory]) -> tuple[list[list[float]], list[list[float]]]:
+        logprobs: list[list[float]] = [[] for _ in trajectories]
+        entropies: list[list[float]] = [[] for _ in trajectories]
+        scored = [i for i, t in enumerate(trajectories) if t.num_actions > 0]
         with torch.no_grad():
-            for batch in self._micro_batches(samples, scored):
+            for batch in self._micro_batches(trajectories, scored):
                 token_logp, entropy = response_logprobs(self._model, batch, self._temperature)
                 for row, i in enumerate(batch.indices):
-                    n = samples[i].num_tokens
+                    n = trajectories[i].num_actions
                     logprobs[i] = token_logp[row, :n].tolist()
                     entropies[i] = entropy[row, :n].tolist()
         return logprobs, entropies
@@ -254,30 +258,27 @@ class TorchTrainEngine(_TorchModelEngine):
                 self._executor.shutdown(wait=False)
                 raise
 
-    async def train_step(
-        self, groups: Sequence[RolloutGroup], loss_fn: LossFn, *, loss_mean_over: LossMeanOver = "tokens"
-    ) -> dict[str, float]:
-        """One optimizer step on every sample of ``groups``; returns its metrics.
+    async def train_step(self, batch: Sequence[Trajectory], objective: LossObjective) -> dict[str, float]:
+        """One optimizer step on every trajectory of ``batch``; returns its metrics.
 
-        ``loss_fn`` gets one :class:`LossInputs` per micro-batch and returns a loss that is a
-        mean over that micro-batch's real tokens or (``loss_mean_over="sequences"``) its
-        sequences with tokens, plus float metrics, averaged here with the same weights.
-        Samples without response tokens are left out. Every sample must carry its
-        ``advantage``; ``prox_logprobs`` and ``ref_logprobs`` are passed when every sample
-        has them, and refused when only some do.
+        ``objective`` gets one :class:`LossInputs` per micro-batch (its ``mask`` is the trained
+        tokens) and returns a loss that is a mean over that micro-batch's trained tokens or
+        (``objective.mean_over == "sequences"``) its sequences with trained tokens, plus float
+        metrics, averaged here with the same weights. Trajectories without trained tokens are
+        left out. Every trajectory must carry its ``advantage``; ``prox_logprobs`` and
+        ``ref_logprobs`` are passed when every trajectory has them, and refused when only some do.
 
-        With ``world_size > 1`` the samples are split across the ranks balanced by tokens and
-        ``loss_fn`` is pickled to them with each step (a module-level function or a
-        ``functools.partial`` of one); a rank that fails or dies raises
+        With ``world_size > 1`` the trajectories are split across the ranks balanced by tokens
+        and ``objective`` is pickled to them with each step; a rank that fails or dies raises
         ``engines.torch_ddp.TrainRankError`` naming it.
         """
-        if loss_mean_over not in ("tokens", "sequences"):
-            raise ValueError(f"loss_mean_over must be 'tokens' or 'sequences', got {loss_mean_over!r}")
-        samples = [s for g in groups for s in g.samples]
-        return await self._on_worker(self._train_step, samples, loss_fn, loss_mean_over)
+        mean_over = objective.mean_over
+        if mean_over not in ("tokens", "sequences"):
+            raise ValueError(f"objective.mean_over must be 'tokens' or 'sequences', got {mean_over!r}")
+        return await self._on_worker(self._train_step, list(batch), objective, mean_over)
 
     def named_tensors_for_sync(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(name, full tensor) per weight, tied storage once (``engines.torch_weights``).
+        """(name, full tensor) per weight, tied storage once (``param_sync.unique_weights``).
 
         These are the live tensors, unguarded: read them between train steps, or from another
         thread inside ``weights_for_sync``, and copy what must outlive the next step.
@@ -368,12 +369,14 @@ class TorchTrainEngine(_TorchModelEngine):
         if self._ranks is not None:
             self._ranks.restore(state)
 
-    def _train_step(self, samples: list[Sample], loss_fn: LossFn, loss_mean_over: LossMeanOver) -> dict[str, float]:
+    def _train_step(
+        self, samples: list[Trajectory], loss_fn: LossObjective, loss_mean_over: LossMeanOver
+    ) -> dict[str, float]:
         _check_trainable(samples)
-        trained = [i for i, s in enumerate(samples) if s.num_tokens > 0]
-        totals = StepTotals(loss_mean_over, sum(samples[i].num_tokens for i in trained), len(trained))
+        trained = [i for i, s in enumerate(samples) if s.num_trained > 0]
+        totals = StepTotals(loss_mean_over, sum(samples[i].num_trained for i in trained), len(trained))
         if totals.tokens == 0:
-            raise ValueError("train_step on samples without response tokens")
+            raise ValueError("train_step on trajectories without trained tokens")
 
         lr = self._scheduler.get_last_lr()[0]  # the step's own: the scheduler moves on after it
         if self._ranks is None:
@@ -392,7 +395,7 @@ class TorchTrainEngine(_TorchModelEngine):
         }
 
     def _accumulate(
-        self, samples: Sequence[Sample], indices: list[int], loss_fn: LossFn, totals: StepTotals
+        self, samples: Sequence[Trajectory], indices: list[int], loss_fn: LossObjective, totals: StepTotals
     ) -> tuple[dict[str, float], int]:
         """Add the gradients of ``samples[indices]``' weighted micro-batch losses (grads not zeroed
         here); returns the weighted metric sums and the number of micro-batches."""
@@ -404,20 +407,21 @@ class TorchTrainEngine(_TorchModelEngine):
             # Uniform over the step (``_check_trainable``), so any row tells.
             has_prox = rows[0].prox_logprobs is not None
             has_ref = rows[0].ref_logprobs is not None
+            trained = batch.loss_mask
             inputs = LossInputs(
                 logprobs=token_logp,
-                behaviour_logprobs=_padded([s.behaviour_logprobs for s in rows], batch.mask),
-                advantages=torch.tensor([[s.advantage] for s in rows], device=self._device) * batch.mask,
-                mask=batch.mask,
-                prox_logprobs=_padded([s.prox_logprobs for s in rows], batch.mask) if has_prox else None,
-                ref_logprobs=_padded([s.ref_logprobs for s in rows], batch.mask) if has_ref else None,
+                behaviour_logprobs=_padded([s.behaviour_logprobs for s in rows], trained),
+                advantages=torch.tensor([[s.advantage] for s in rows], device=self._device) * trained,
+                mask=trained,
+                prox_logprobs=_padded([s.prox_logprobs for s in rows], trained) if has_prox else None,
+                ref_logprobs=_padded([s.ref_logprobs for s in rows], trained) if has_ref else None,
                 entropy=entropy,
             )
             loss, metrics = loss_fn(inputs)
             weight = totals.weight(batch)
             (loss * weight).backward()
             num_micro_batches += 1
-            mean_entropy = float(entropy.sum() / batch.mask.sum())
+            mean_entropy = float((entropy * trained).sum() / trained.sum().clamp(min=1))
             for key, value in {**metrics, "loss": float(loss.detach()), "entropy": mean_entropy}.items():
                 sums[key] = sums.get(key, 0.0) + weight * value
         return sums, num_micro_batches
@@ -437,21 +441,23 @@ class TorchTrainEngine(_TorchModelEngine):
         return grad_norm
 
 
-def _check_trainable(samples: list[Sample]) -> None:
+def _check_trainable(samples: list[Trajectory]) -> None:
     if not samples:
-        raise ValueError("train_step on no samples")
+        raise ValueError("train_step on no trajectories")
     for field in ("prox_logprobs", "ref_logprobs"):
         present = {getattr(s, field) is not None for s in samples}
         if len(present) > 1:
-            raise ValueError(f"{field} is set on some samples and not on others")
+            raise ValueError(f"{field} is set on some trajectories and not on others")
     for s in samples:
-        where = f"sample {s.prompt_id}/{s.index}"
+        where = f"trajectory {s.prompt_id}/{s.index}"
         if s.advantage is None:
             raise ValueError(f"{where} has no advantage")
-        for name in ("behaviour_logprobs", "prox_logprobs", "ref_logprobs"):
+        for name in ("behaviour_logprobs", "prox_logprobs", "ref_logprobs", "loss_mask"):
             values = getattr(s, name)
-            if values is not None and len(values) != s.num_tokens:
-                raise ValueError(f"{where}: {len(values)} {name} for {s.num_tokens} tokens")
+            if values is not None and len(values) != s.num_actions:
+                raise ValueError(f"{where}: {len(values)} {name} for {s.num_actions} tokens")
+        if len(token_payload(s).response_ids) != s.num_actions:
+            raise ValueError(f"{where}: {len(token_payload(s).response_ids)} tokens for {s.num_actions} log-probs")
 
 
 def _padded(rows: list[list[float] | None], mask: torch.Tensor) -> torch.Tensor:

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from param_sync.bucket import BucketHeader, Manifest, TensorMeta, TensorSlice, checksum
 from param_sync.buffer import BufferHalf, DualBuffer
-from param_sync.errors import GatherError, LayoutError, StaleVersionError, SyncError, TransferError
-from param_sync.module import ModuleSource, ModuleTarget, StepGate
+from param_sync.errors import GateClosedError, GatherError, LayoutError, StaleVersionError, SyncError, TransferError
+from param_sync.module import ModuleSource, ModuleTarget, StepGate, unique_weights
 from param_sync.protocols import LoadMode, MappableTarget, SyncSource, SyncTarget, Transport
 from param_sync.receiver import LoadReport, Receiver
 from param_sync.syncer import ParamSyncer
@@ -21,6 +21,7 @@ __all__ = [
     "BufferHalf",
     "DistTransport",
     "DualBuffer",
+    "GateClosedError",
     "GatherError",
     "InProcessTransport",
     "LayoutError",
@@ -45,4 +46,5 @@ __all__ = [
     "checksum",
     "serve_dist",
     "serve_shm",
+    "unique_weights",
 ]

@@ -6,7 +6,7 @@ began (never a mix of two versions); the next sync starts from scratch and may s
 
 from __future__ import annotations
 
-__all__ = ["GatherError", "LayoutError", "StaleVersionError", "SyncError", "TransferError"]
+__all__ = ["GateClosedError", "GatherError", "LayoutError", "StaleVersionError", "SyncError", "TransferError"]
 
 
 class SyncError(RuntimeError):
@@ -27,3 +27,7 @@ class TransferError(SyncError):
 
 class GatherError(SyncError):
     """Reading the trainer's weights failed midway; the partial transfer was aborted."""
+
+
+class GateClosedError(SyncError):
+    """The step gate was closed (its engine is stopping): no decode step or weight change may start."""

@@ -41,20 +41,25 @@ import torch
 from torch import nn
 
 from param_sync.bucket import Manifest, TensorSlice
-from param_sync.errors import LayoutError, StaleVersionError, SyncError
+from param_sync.errors import GateClosedError, LayoutError, StaleVersionError, SyncError
 from param_sync.protocols import LoadMode
 
-__all__ = ["ModuleSource", "ModuleTarget", "StepGate"]
+__all__ = ["ModuleSource", "ModuleTarget", "StepGate", "unique_weights"]
 
 
-def _unique_weights(module: nn.Module) -> dict[str, torch.Tensor]:
-    """``state_dict`` with keep_vars: the live tensors, each tied storage once, first name wins."""
+def unique_weights(module: nn.Module) -> dict[str, torch.Tensor]:
+    """A module's weights for syncing: its ``state_dict`` (parameters and persistent buffers)
+    with each storage once, first name wins, detached (views of the live storage).
+
+    A tied weight (embeddings shared with the LM head) travels under its first name and, loaded
+    there, is seen through every alias. The one rule trainer sources and rollout targets share.
+    """
     out: dict[str, torch.Tensor] = {}
     seen: set[int] = set()
     for name, tensor in module.state_dict(keep_vars=True).items():
         if id(tensor) not in seen:
             seen.add(id(tensor))
-            out[name] = tensor
+            out[name] = tensor.detach()
     return out
 
 
@@ -65,15 +70,15 @@ class ModuleSource:
         self.module = module
 
     def named_tensors_for_sync(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, tensor in _unique_weights(self.module).items():
-            yield name, tensor.detach()
+        yield from unique_weights(self.module).items()
 
 
 class StepGate:
     """Decode steps and weight changes exclude each other; a waiting weight change goes first.
 
     Waits need no timeout of their own: ``hold`` waits for at most the running decode steps,
-    ``step`` for at most one hold.
+    ``step`` for at most one hold, and ``close`` ends every wait (an aborted ``pause``-mode
+    update keeps the gate held until the next commit, which a stopping engine cannot wait for).
     """
 
     def __init__(self) -> None:
@@ -81,12 +86,21 @@ class StepGate:
         self._steps = 0  # decode steps running now
         self._held = False
         self._waiting = 0  # holds waiting for the running steps to end; they block new steps
+        self._closed = False
+
+    def close(self) -> None:
+        """Refuse new steps and holds from now on, waking every wait with :class:`GateClosedError`."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
 
     @contextmanager
     def step(self) -> Iterator[None]:
         """Run one decode step; waits while weights are being changed."""
         with self._cond:
-            self._cond.wait_for(lambda: not self._held and not self._waiting)
+            self._cond.wait_for(lambda: self._closed or (not self._held and not self._waiting))
+            if self._closed:
+                raise GateClosedError("the step gate is closed")
             self._steps += 1
         try:
             yield
@@ -100,9 +114,11 @@ class StepGate:
         with self._cond:
             self._waiting += 1
             try:
-                self._cond.wait_for(lambda: not self._steps and not self._held)
+                self._cond.wait_for(lambda: self._closed or (not self._steps and not self._held))
             finally:
                 self._waiting -= 1
+            if self._closed:
+                raise GateClosedError("the step gate is closed")
             self._held = True
 
     def release(self) -> None:
@@ -113,6 +129,11 @@ class StepGate:
     @property
     def held(self) -> bool:
         return self._held
+
+    @property
+    def waiting_holds(self) -> int:
+        """Holds queued behind the running decode steps (the next step waits for them)."""
+        return self._waiting
 
 
 class ModuleTarget:

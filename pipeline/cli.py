@@ -21,8 +21,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from core.config import ConfigError, TandemConfig, load_config
-from pipeline.flow import AsyncTrainingFlow, FlowResult
 from core.history import StepRecord
+from pipeline.flow import AsyncTrainingFlow, FlowResult
 from pipeline.logs import configure_logging
 from state_machines.base import StageError
 

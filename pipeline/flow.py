@@ -25,18 +25,18 @@ from typing import Any
 
 import structlog
 
-from engines.factory import build_components
 from core.channel import BrokenChannel, ChannelStatistics, ReceiveChannel, SendChannel, open_channel
 from core.checkpoint import Checkpointer, FlowState, trim_metrics
 from core.components import Components
 from core.config import TandemConfig
 from core.history import ModeChange, RunHistory, StepRecord, SyncRecord, ValidationRecord
 from core.ledger import DropRecord, Ledger
-from pipeline.metrics import FlowMetrics
-from pipeline.report import plot_run
 from core.resources import colocated_groups
 from core.staleness import StalenessGate, VersionClock
 from core.trace import TraceRecorder
+from pipeline.builders import build_components
+from pipeline.metrics import FlowMetrics
+from pipeline.report import plot_run
 from state_machines.base import FlowServices, StageError, StateMachine
 from state_machines.registry import create_role_state_machine
 from state_machines.train import TrainStateMachine

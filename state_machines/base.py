@@ -33,7 +33,7 @@ from core.channel import EndOfStream, ReceiveChannel, SendChannel
 from core.config import RoleConfig, TandemConfig
 from core.history import RunHistory
 from core.ledger import Ledger, LedgerError
-from core.records import PromptGroup, RolloutGroup, Sample
+from core.records import PromptGroup, Trajectory, TrajectoryGroup
 from core.staleness import StalenessGate, StalenessViolation, VersionClock
 from core.trace import TraceRecorder
 
@@ -98,8 +98,8 @@ class FlowServices:
 
 
 def prompt_ids_of(items: Sequence[Any]) -> list[int]:
-    """Prompt ids of a unit of work's items (groups, samples or prompts)."""
-    return [item.prompt_id for item in items if isinstance(item, (PromptGroup, Sample, RolloutGroup))]
+    """Prompt ids of a unit of work's items (groups, trajectories or prompts)."""
+    return [item.prompt_id for item in items if isinstance(item, (PromptGroup, Trajectory, TrajectoryGroup))]
 
 
 class StateMachine:

@@ -2,16 +2,17 @@
 
 For each prompt group it waits for an admission slot (training step ``s`` only while
 ``s <= loaded_version + k``, and under the in-flight cap), then hands the group's ``n`` requests
-to the rollout engine without waiting for earlier calls to finish, so the engine's continuous
-batch stays full. Finished samples go downstream as soon as they finish, each with its group.
+to the workload's rollout workflow without waiting for earlier calls to finish, so the engine's
+continuous batch stays full. Finished trajectories go downstream as soon as they finish, each
+with its group.
 
 Every admitted slot is launched before the role blocks on the gate again (otherwise k = 0 would
 deadlock: the step's last groups would wait behind the gate that their own training opens).
 A group whose prompt is longer than the components' ``max_prompt_tokens`` (the model's context
 minus ``max_new_tokens``) is dropped at admission with the lengths as reason; its slot refills.
-A failed engine call is retried for the samples it had not yet delivered, so a retry never
-duplicates a sample; if the error policy then drops the call, it drops only the groups still
-missing samples (a group whole before the failure has gone on to training and stays there).
+A failed call is retried for the trajectories it had not yet delivered, so a retry never
+duplicates one; if the error policy then drops the call, it drops only the groups still missing
+trajectories (a group whole before the failure has gone on to training and stays there).
 State: RUNNING while any call is in flight, else PAUSED while held by the gate, else
 WAITING_INPUT.
 """
@@ -23,7 +24,7 @@ import contextlib
 from collections import deque
 from collections.abc import AsyncIterator
 
-from core.protocols import GenerationRequest
+from core.protocols import RolloutRequest
 from core.records import PromptGroup
 from core.staleness import Admission
 from state_machines.base import StageError, State, StateMachine
@@ -33,8 +34,8 @@ __all__ = ["GenerateStateMachine", "request_seed"]
 
 
 def request_seed(run_seed: int, prompt_id: int, index: int) -> int:
-    """The sampling seed of one sequence: a function of the run seed and the sample alone, so a
-    sample's tokens do not depend on the schedule that generated it."""
+    """The sampling seed of one trajectory: a function of the run seed and the trajectory alone,
+    so its actions do not depend on the schedule that generated it."""
     return hash((run_seed, prompt_id, index)) & 0x7FFFFFFF
 
 
@@ -97,7 +98,7 @@ class GenerateStateMachine(StateMachine):
         drop is recorded with the lengths, and the slot refilled); return the others."""
         budget = self.services.components.max_prompt_tokens
         if budget is None:
-            return groups
+            return groups  # this workload's prompts have no token budget
         for group in groups:
             if len(group.prompt_ids) > budget:
                 reason = (
@@ -117,15 +118,11 @@ class GenerateStateMachine(StateMachine):
             self._refresh_state(State.WAITING_INPUT)
 
     async def _generate(self, groups: list[PromptGroup]) -> None:
-        components = self.services.components
+        workflow = self.services.components.workflow
         by_id = {g.prompt_id: g for g in groups}
         seed = self.config.run.seed
         todo = {
-            (g.prompt_id, i): GenerationRequest(
-                g.prompt_id, i, g.prompt_ids, components.sampling, seed=request_seed(seed, g.prompt_id, i)
-            )
-            for g in groups
-            for i in range(g.n)
+            (g.prompt_id, i): RolloutRequest(g, i, request_seed(seed, g.prompt_id, i)) for g in groups for i in range(g.n)
         }
         missing = {g.prompt_id: g.n for g in groups}
         # The groups a failure concerns; ``work`` reads it when the policy decides, so a group
@@ -134,13 +131,13 @@ class GenerateStateMachine(StateMachine):
         assert self.outbox is not None
 
         async def call() -> None:
-            # Only what has not been delivered yet: a retry never duplicates a sample.
-            async for sample in components.rollout.generate(list(todo.values())):
-                del todo[(sample.prompt_id, sample.index)]
-                await self.outbox.send(Generation(by_id[sample.prompt_id], sample))
+            # Only what has not been delivered yet: a retry never duplicates a trajectory.
+            async for trajectory in workflow.rollout(list(todo.values())):
+                del todo[(trajectory.prompt_id, trajectory.index)]
+                await self.outbox.send(Generation(by_id[trajectory.prompt_id], trajectory))
                 self.items_done += 1
-                missing[sample.prompt_id] -= 1
-                if not missing[sample.prompt_id]:
-                    incomplete.remove(by_id[sample.prompt_id])
+                missing[trajectory.prompt_id] -= 1
+                if not missing[trajectory.prompt_id]:
+                    incomplete.remove(by_id[trajectory.prompt_id])
 
         await self.work(incomplete, call)

@@ -4,17 +4,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from core.records import PromptGroup, Sample
+from core.records import PromptGroup, Trajectory
 
 __all__ = ["Generation"]
 
 
 @dataclass(slots=True)
 class Generation:
-    """One finished sample with the prompt group it belongs to (generate -> rollout)."""
+    """One finished trajectory with the prompt group it belongs to (generate -> rollout)."""
 
     group: PromptGroup
-    sample: Sample
+    trajectory: Trajectory
 
     @property
     def prompt_id(self) -> int:

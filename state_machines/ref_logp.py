@@ -2,20 +2,20 @@
 
 from __future__ import annotations
 
-from core.records import RolloutGroup
+from core.records import TrajectoryGroup
 from state_machines.base import Stage
 from state_machines.logp import score
 
 __all__ = ["RefLogPStateMachine"]
 
 
-class RefLogPStateMachine(Stage[RolloutGroup, RolloutGroup]):
+class RefLogPStateMachine(Stage[TrajectoryGroup, TrajectoryGroup]):
     role = "ref_logp"
 
-    async def process(self, items: list[RolloutGroup]) -> list[RolloutGroup]:
+    async def process(self, items: list[TrajectoryGroup]) -> list[TrajectoryGroup]:
         engine = self.services.components.reference
         if engine is None:
             raise RuntimeError("the ref_logp stage runs but the components have no reference engine")
-        for sample, lp in await score(engine, items, "reference log-probs"):
-            sample.ref_logprobs = lp
+        for trajectory, lp in await score(engine, items, "reference log-probs"):
+            trajectory.ref_logprobs = lp
         return items

@@ -1,5 +1,10 @@
 """The train role: one optimizer step per training step, on exactly that step's groups.
 
+It owns the algorithm: each group's advantages come from ``algorithms`` by the configured name
+(``algorithm.advantage``), and the engine is handed the configured policy objective
+(``algorithms.PolicyObjective`` over ``algorithm``): engines compute log-probs and gradients
+and know no algorithm.
+
 Groups arrive in completion order; they are held by step, and step ``t`` runs once all
 ``prompts_per_step`` groups assigned to it are in (a drop refills the step, see the gate).
 Before each step the staleness of every group is checked against the bound, a violation
@@ -16,9 +21,10 @@ import asyncio
 from collections.abc import Coroutine
 from typing import Any
 
+from algorithms import PolicyObjective, compute_advantages
 from core.history import StepRecord
-from core.records import RolloutGroup
-from state_machines.base import StateMachine
+from core.records import Trajectory, TrajectoryGroup
+from state_machines.base import FlowServices, StateMachine
 
 __all__ = ["TrainStateMachine"]
 
@@ -28,11 +34,15 @@ class TrainStateMachine(StateMachine):
 
     finish_step_on_stop = False  # set by the flow when it stops cleanly (not on a stage failure)
 
+    def __init__(self, name: str, services: FlowServices, **channels: object) -> None:
+        super().__init__(name, services, **channels)  # type: ignore[arg-type]
+        self.objective = PolicyObjective(services.config.algorithm)
+
     async def main(self) -> None:
         services = self.services
         per_step = self.config.train.prompts_per_step
         step = services.clock.trained
-        pending: dict[int, list[RolloutGroup]] = {}
+        pending: dict[int, list[TrajectoryGroup]] = {}
         while step < self.config.run.max_steps:
             items = await self.receive()
             if items is None:
@@ -48,13 +58,29 @@ class TrainStateMachine(StateMachine):
                 if await self._finish_on_clean_stop(self._train(step, batch)):
                     step += 1
 
-    async def _train(self, step: int, batch: list[RolloutGroup]) -> bool:
+    def advantages(self, batch: list[TrajectoryGroup]) -> list[Trajectory]:
+        """Set every trajectory's advantage from its group's rewards; return the trajectories."""
+        algo = self.config.algorithm
+        rewards = []
+        for group in batch:
+            missing = [t.index for t in group.trajectories if t.reward is None]
+            if missing:
+                raise ValueError(f"prompt {group.prompt_id}: trajectories {missing} reached training without a reward")
+            rewards.append([t.reward for t in group.trajectories])
+        options = {"normalize_std": algo.normalize_std} if algo.advantage == "grpo" else {}
+        for group, advantages in zip(batch, compute_advantages(algo.advantage, rewards, **options), strict=True):
+            for trajectory, advantage in zip(group.trajectories, advantages.tolist(), strict=True):
+                trajectory.advantage = advantage
+        return [t for g in batch for t in g.trajectories]
+
+    async def _train(self, step: int, batch: list[TrajectoryGroup]) -> bool:
         """Train one step; False if the error policy dropped the batch (the step is refilled)."""
         services = self.services
         loop = asyncio.get_running_loop()
         staleness = [services.gate.check(step, g.oldest_version, g.prompt_id, g.group.admitted_k) for g in batch]
         started = loop.time()
-        metrics = await self.work(batch, lambda: services.components.trainer.train_step(batch))
+        trainer = services.components.trainer
+        metrics = await self.work(batch, lambda: trainer.train_step(self.advantages(batch), self.objective))
         if metrics is None:
             return False
         for group in batch:
@@ -63,17 +89,17 @@ class TrainStateMachine(StateMachine):
         await services.clock.advance_trained(version)
         await services.gate.complete(step, len(batch))
         self.version = version
-        samples = [s for g in batch for s in g.samples]
-        tokens = sum(s.num_tokens for s in samples)
-        self.items_done += len(samples)
-        rewards = [s.reward for s in samples if s.reward is not None]
+        trajectories = [t for g in batch for t in g.trajectories]
+        tokens = sum(t.num_actions for t in trajectories)
+        self.items_done += len(trajectories)
+        rewards = [t.reward for t in trajectories if t.reward is not None]
         services.history.add(
             StepRecord(
                 step=step,
                 time_s=loop.time(),
                 step_time_s=loop.time() - started,
                 groups=len(batch),
-                samples=len(samples),
+                samples=len(trajectories),
                 tokens=tokens,
                 reward_mean=sum(rewards) / len(rewards) if rewards else float("nan"),
                 staleness=staleness,

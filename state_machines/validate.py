@@ -23,9 +23,9 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-from core.protocols import GenerationRequest, RewardResult
 from core.history import ValidationRecord
-from core.records import Sample
+from core.protocols import RewardResult, RolloutRequest
+from core.records import PromptGroup, Trajectory
 from state_machines.base import State, StateMachine
 from state_machines.generate import request_seed
 
@@ -48,21 +48,15 @@ class ValidateStateMachine(StateMachine):
         prompts = held_out(spec.prompts)
         if len(prompts) != spec.prompts:
             raise ValueError(f"validation.prompts is {spec.prompts} but the held-out set has {len(prompts)}")
-        components = self.services.components
-        requests = [
-            GenerationRequest(
-                VALIDATION_IDS + i, 0, p.prompt_ids, components.sampling,
-                seed=request_seed(self.config.run.seed, VALIDATION_IDS + i, 0),
-            )
-            for i, p in enumerate(prompts)
-        ]
-        answers = [p.answer for p in prompts]
+        seed = self.config.run.seed
+        groups = [PromptGroup(VALIDATION_IDS + i, item, 1) for i, item in enumerate(prompts)]
+        requests = [RolloutRequest(g, 0, request_seed(seed, g.prompt_id, 0)) for g in groups]
         clock = self.services.clock
         target = 0
         while True:
             self.set_state(State.WAITING_INPUT)
             await self._wait_loaded(target)
-            record = await self.work([], lambda: self._evaluate(requests, answers))
+            record = await self.work([], lambda: self._evaluate(requests))
             if record is not None:
                 self.version = record.version
                 self.items_done += record.samples
@@ -78,27 +72,27 @@ class ValidateStateMachine(StateMachine):
         """The error policy's ``drop`` for an evaluation: it is skipped, no prompts are accounted."""
         self.log.warning("held-out evaluation skipped", error=reason)
 
-    async def _evaluate(self, requests: list[GenerationRequest], answers: list[str | None]) -> ValidationRecord:
+    async def _evaluate(self, requests: list[RolloutRequest]) -> ValidationRecord:
         loop = asyncio.get_running_loop()
         started = loop.time()
         components = self.services.components
-        samples: list[Sample] = [s async for s in components.rollout.generate(requests)]
-        samples.sort(key=lambda s: s.prompt_id)
-        by_id = dict(zip((r.prompt_id for r in requests), answers, strict=True))
-        results = await components.reward.score(samples, [by_id[s.prompt_id] for s in samples])
-        return _record(samples, results, loop.time(), loop.time() - started)
+        trajectories = [t async for t in components.workflow.rollout(requests)]
+        trajectories.sort(key=lambda t: t.prompt_id)
+        by_id = {r.prompt_id: r.group for r in requests}
+        results = await components.reward.score(trajectories, [by_id[t.prompt_id] for t in trajectories])
+        return _record(trajectories, results, loop.time(), loop.time() - started)
 
 
-def _record(samples: list[Sample], results: list[RewardResult], now: float, duration: float) -> ValidationRecord:
-    if len(results) != len(samples):
-        raise ValueError(f"reward returned {len(results)} results for {len(samples)} validation samples")
+def _record(trajectories: list[Trajectory], results: list[RewardResult], now: float, duration: float) -> ValidationRecord:
+    if len(results) != len(trajectories):
+        raise ValueError(f"reward returned {len(results)} results for {len(trajectories)} validation trajectories")
     rewards = [r.reward if r.ok else 0.0 for r in results]
     return ValidationRecord(
-        version=min(s.start_version for s in samples),
-        max_token_version=max(max(s.token_versions, default=s.start_version) for s in samples),
+        version=min(t.start_version for t in trajectories),
+        max_token_version=max(max(t.versions, default=t.start_version) for t in trajectories),
         time_s=now,
         duration_s=duration,
-        samples=len(samples),
+        samples=len(trajectories),
         reward_mean=statistics.fmean(rewards),
         accuracy=sum(r >= 1.0 for r in rewards) / len(rewards),
     )

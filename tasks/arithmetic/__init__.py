@@ -1,7 +1,8 @@
 """Column-scratchpad addition: a verifiable task with a long tail of response lengths.
 
-The public face of the task, so other code never hard-codes paths or formats: the problem
-generator and prompt format, the verifier (the reward), the JSONL reader/writer, and
+The public face of the task, so other code never hard-codes paths or formats: the task plugin
+(``make_task``, found by ``task.name: arithmetic``), the problem generator and prompt format,
+the verifier (the reward), the JSONL reader/writer, and
 ``MODEL_DIR``, the folder of the small model shipped for the task (load it with
 ``AutoModelForCausalLM.from_pretrained(MODEL_DIR)`` and ``AutoTokenizer.from_pretrained(MODEL_DIR)``).
 
@@ -11,8 +12,6 @@ and the config layer stay light; the tokenizer and pretraining modules import th
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from tasks.arithmetic.jsonl import load_jsonl, write_jsonl
 from tasks.arithmetic.problems import (
     MAX_RESPONSE_CHARS,
@@ -21,21 +20,23 @@ from tasks.arithmetic.problems import (
     format_response,
     generate_problems,
 )
+from tasks.arithmetic.task import MODEL_DIR, ArithmeticTask, make_task
 from tasks.arithmetic.verifier import extract_answer, verify
 
-MODEL_DIR: Path = Path(__file__).resolve().parent / "model"
 # One token per character plus <eos>: a max_new_tokens that never truncates a correct answer.
 MAX_RESPONSE_TOKENS = MAX_RESPONSE_CHARS + 1
 
 __all__ = [
     "MAX_RESPONSE_TOKENS",
     "MODEL_DIR",
+    "ArithmeticTask",
     "Problem",
     "extract_answer",
     "format_prompt",
     "format_response",
     "generate_problems",
     "load_jsonl",
+    "make_task",
     "verify",
     "write_jsonl",
 ]

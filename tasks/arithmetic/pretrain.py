@@ -30,6 +30,8 @@ from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTra
 
 from tasks.arithmetic import MAX_RESPONSE_TOKENS, MODEL_DIR
 from tasks.arithmetic.problems import (
+    CHECK_SEED,
+    REPORT_SEED,
     Problem,
     format_prompt,
     format_response,
@@ -39,9 +41,6 @@ from tasks.arithmetic.problems import (
 from tasks.arithmetic.tokenizer import MODEL_MAX_LENGTH, build_tokenizer
 from tasks.arithmetic.verifier import verify
 
-# Seeds of the problem streams, kept apart so the check and report sets are never the
-# training stream (short problems still repeat: there are only 100 one-digit sums).
-CHECK_SEED, REPORT_SEED = 1_000_001, 1_000_002
 REPORT_PROBLEMS = 200
 
 

@@ -34,6 +34,10 @@ COLUMN_LINE_CHARS = len("9+3+0=12\n")
 # The longest reference response: 8 column lines, "=", a 9-digit answer. Generation budgets
 # (max_new_tokens) must leave room for it plus the end-of-sequence token.
 MAX_RESPONSE_CHARS = MAX_DIGITS * COLUMN_LINE_CHARS + 1 + MAX_DIGITS + 1
+# Seeds of the evaluation problem streams, kept apart from every training stream (short problems
+# still repeat: there are only 100 one-digit sums): pretraining's early-stopping check set, and
+# the report set it measured the shipped model on, which RL holds out for evaluation.
+CHECK_SEED, REPORT_SEED = 1_000_001, 1_000_002
 
 
 class Problem(TypedDict):

@@ -14,11 +14,11 @@ from typing import Any
 import pytest
 import yaml
 
-from engines.factory import build_components
-from core.protocols import GenerationRequest
-from pipeline import AsyncTrainingFlow
 from core.config import TandemConfig, apply_overrides, validate_config
-from core.records import Sample
+from core.protocols import GenerationRequest
+from core.records import Trajectory
+from pipeline import AsyncTrainingFlow
+from pipeline.builders import build_components
 from tasks.arithmetic import MODEL_DIR, generate_problems
 from tests.conftest import wait_until_dead
 
@@ -53,12 +53,12 @@ def ray_config(tmp_path: Path, *overrides: str, validation: bool = False) -> Tan
 
 
 def pids(components: Any) -> dict[str, int]:
-    actors = [*components.rollout.actors, components.trainer.actor]
+    actors = [*components.workflow.engine.actors, components.trainer.actor]
     return {a.name: ray.get(a.handle.ready.remote())[0] for a in actors}
 
 
 def assert_closed(components: Any) -> None:
-    for actor in [*components.rollout.actors, components.trainer.actor]:
+    for actor in [*components.workflow.engine.actors, components.trainer.actor]:
         wait_until_dead(actor.handle)
 
 
@@ -97,13 +97,13 @@ class Intervals:
     def __init__(self, components: Any) -> None:
         self.generate: list[tuple[float, float]] = []
         self.train: list[tuple[float, float]] = []
-        rollout, trainer = components.rollout, components.trainer
+        rollout, trainer = components.workflow.engine, components.trainer
         inner_generate, inner_train, inner_logp = rollout.generate, trainer.train_step, trainer.logprobs
 
         def now() -> float:
             return asyncio.get_running_loop().time()
 
-        async def generate(requests: Sequence[GenerationRequest]) -> AsyncIterator[Sample]:
+        async def generate(requests: Sequence[GenerationRequest]) -> AsyncIterator[Trajectory]:
             start = now()
             async for sample in inner_generate(requests):
                 yield sample
@@ -142,7 +142,7 @@ def test_roles_on_shared_devices_take_turns_and_split_generation_over_two_actors
     finally:
         components.close()
     assert result.ledger["balanced"] and len(result.steps) == 3
-    assert [a.requests > 0 for a in components.rollout.actors] == [True, True]
+    assert [a.requests > 0 for a in components.workflow.engine.actors] == [True, True]
     last = result.syncs[-1]
     assert last.metrics["loaded_version/rollout-0"] == last.metrics["loaded_version/rollout-1"] == last.version >= 2
     assert intervals.generate and intervals.train
@@ -165,14 +165,14 @@ def test_a_killed_rollout_actor_is_replaced_and_every_prompt_is_trained_exactly_
         "observability.write_run_dir=false",
     )
     components = build_components(cfg)
-    rollout = components.rollout
+    rollout = components.workflow.engine
     actor = rollout.actors[0]
     before = pids(components)["rollout-0"]
     delivered: list[tuple[int, int]] = []
     killed_with_in_flight: list[int] = []
     inner = rollout.generate
 
-    async def generate(requests: Sequence[GenerationRequest]) -> AsyncIterator[Sample]:
+    async def generate(requests: Sequence[GenerationRequest]) -> AsyncIterator[Trajectory]:
         async for sample in inner(requests):
             delivered.append((sample.prompt_id, sample.index))
             if len(delivered) == 24:  # mid step 1: the actor holds unfinished requests
@@ -209,14 +209,14 @@ def test_past_the_restart_bound_the_run_stops_naming_the_actor_and_removes_every
 
     def build(config: TandemConfig) -> Any:
         components = build_components(config)
-        inner = components.rollout.generate
+        inner = components.workflow.engine.generate
 
-        async def generate(requests: Sequence[GenerationRequest]) -> AsyncIterator[Sample]:
+        async def generate(requests: Sequence[GenerationRequest]) -> AsyncIterator[Trajectory]:
             async for sample in inner(requests):
-                ray.kill(components.rollout.actors[0].handle, no_restart=False)  # no restarts allowed
+                ray.kill(components.workflow.engine.actors[0].handle, no_restart=False)  # no restarts allowed
                 yield sample
 
-        components.rollout.generate = generate
+        components.workflow.engine.generate = generate
         built.append(components)
         return components
 

@@ -47,6 +47,7 @@ def write_config(tmp_path: Path) -> Path:
         "flow": {"stages": ["dataloader", "generate", "rollout", "logp", "reward", "train"], "micro_batch_size": 4},
         "roles": {"logp": {"micro_batch_size": 1}},
         "engines": {"type": "torch", "model_path": str(MODEL_DIR), "lr": 3e-4},
+        "task": {"name": "arithmetic"},
         "observability": {"trace": False},
     }
     path = tmp_path / "resume.yaml"

@@ -9,11 +9,11 @@ from typing import Any
 import pytest
 import torch
 
-from engines.rl_trainer import RLTrainer
-from engines.torch_components import build_torch_components
-from pipeline import AsyncTrainingFlow
 from core.config import TandemConfig, validate_config
-from core.records import RolloutGroup
+from core.protocols import LossObjective, TrainEngine
+from core.records import Trajectory
+from pipeline import AsyncTrainingFlow
+from pipeline.builders import build_components
 from tasks.arithmetic import MAX_RESPONSE_TOKENS, MODEL_DIR
 from tests.conftest import merge
 from tests.integration.sync_baseline import synchronous_baseline
@@ -35,6 +35,7 @@ SMALL: dict[str, Any] = {
     "rollout": {"samples_per_prompt": 4, "max_new_tokens": MAX_RESPONSE_TOKENS},
     "flow": {"stages": ["dataloader", "generate", "rollout", "logp", "reward", "train"], "micro_batch_size": 2},
     "engines": {"type": "torch", "model_path": str(MODEL_DIR), "lr": 1e-3},
+    "task": {"name": "arithmetic"},
     "observability": {"write_run_dir": False, "trace": False},
 }
 
@@ -46,24 +47,32 @@ def small_config(**sections: Any) -> TandemConfig:
 class Recording:
     """Wraps the trainer's train_step to keep every batch it saw."""
 
-    def __init__(self, trainer: RLTrainer) -> None:
-        self.batches: list[list[RolloutGroup]] = []
+    def __init__(self, trainer: TrainEngine) -> None:
+        self.batches: list[list[Trajectory]] = []
         inner = trainer.train_step
 
-        async def train_step(groups: Sequence[RolloutGroup]) -> dict[str, float]:
-            self.batches.append(list(groups))
-            return await inner(groups)
+        async def train_step(batch: Sequence[Trajectory], objective: LossObjective) -> dict[str, float]:
+            self.batches.append(list(batch))
+            return await inner(batch, objective)
 
         trainer.train_step = train_step  # type: ignore[method-assign]
 
 
 def weights(trainer: Any) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in trainer.engine.model.state_dict().items()}
+    return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+
+
+def grouped(batch: list[Trajectory]) -> list[list[Trajectory]]:
+    """A trained batch's trajectories by prompt, in the batch's order."""
+    by_prompt: dict[int, list[Trajectory]] = {}
+    for trajectory in batch:
+        by_prompt.setdefault(trajectory.prompt_id, []).append(trajectory)
+    return list(by_prompt.values())
 
 
 def test_k0_flow_reproduces_the_synchronous_loop() -> None:
     cfg = small_config()
-    flow_components = build_torch_components(cfg)
+    flow_components = build_components(cfg)
     recorder = Recording(flow_components.trainer)  # type: ignore[arg-type]
     initial = weights(flow_components.trainer)
     try:
@@ -72,7 +81,7 @@ def test_k0_flow_reproduces_the_synchronous_loop() -> None:
     finally:
         flow_components.close()
 
-    base_components = build_torch_components(cfg)
+    base_components = build_components(cfg)
     try:
         baseline = asyncio.run(synchronous_baseline(cfg, base_components))
         base_weights = weights(base_components.trainer)
@@ -81,12 +90,13 @@ def test_k0_flow_reproduces_the_synchronous_loop() -> None:
 
     assert len(recorder.batches) == len(baseline) == cfg.run.max_steps
     for flow_batch, base_batch in zip(recorder.batches, baseline, strict=True):
-        assert [g.prompt_id for g in flow_batch] == [g.prompt_id for g in base_batch]
-        for fg, bg in zip(flow_batch, base_batch, strict=True):
-            assert [s.response_ids for s in fg.samples] == [s.response_ids for s in bg.samples]
-            assert [s.reward for s in fg.samples] == [s.reward for s in bg.samples]
-            assert {v for s in fg.samples for v in s.token_versions} == {fg.step}
-    rewards = [s.reward for batch in baseline for g in batch for s in g.samples]
+        flow_groups = grouped(flow_batch)
+        assert [g[0].prompt_id for g in flow_groups] == [g.prompt_id for g in base_batch]
+        for fg, bg in zip(flow_groups, base_batch, strict=True):
+            assert [s.payload.response_ids for s in fg] == [s.payload.response_ids for s in bg.trajectories]
+            assert [s.reward for s in fg] == [s.reward for s in bg.trajectories]
+            assert {v for s in fg for v in s.versions} == {bg.step}
+    rewards = [s.reward for batch in baseline for g in batch for s in g.trajectories]
     assert 0 < sum(rewards) < len(rewards), "a batch with mixed rewards is needed for the weights to move"
     update = max((flow_weights[k] - initial[k]).abs().max().item() for k in initial)
     assert update > 1e-4  # it trained

@@ -1,11 +1,14 @@
-"""The torch-free config names exactly the losses and estimators the algorithms provide."""
+"""The torch-free config names exactly the losses and estimators the algorithms provide, and its
+``algorithm`` section is the one settings type the losses read (no second config to copy into)."""
 
 from __future__ import annotations
 
 import typing
 
-from algorithms import ADVANTAGE_ESTIMATORS, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
-from engines.rl_trainer import loss_config
+from algorithms import ADVANTAGE_ESTIMATORS
+from algorithms.corrections import CORRECTION_LEVELS
+from algorithms.kl import KL_ESTIMATORS
+from algorithms.losses import AGGREGATIONS, BEHAVIOUR_WEIGHT_MODES, POLICY_LOSSES, LossSettings
 from core.config import AlgorithmConfig
 
 
@@ -21,9 +24,14 @@ def test_config_choices_match_the_registries() -> None:
     assert literal_values("advantage") == set(ADVANTAGE_ESTIMATORS)
     assert literal_values("kl_estimator") == set(KL_ESTIMATORS)
     assert literal_values("aggregation") == set(AGGREGATIONS)
+    assert literal_values("behaviour_weight_mode") == set(BEHAVIOUR_WEIGHT_MODES)
 
 
-def test_every_config_section_builds_a_valid_loss_config() -> None:
-    for name in sorted(literal_values("loss")):
-        cfg = loss_config(AlgorithmConfig(loss=name, kl_estimator="k3", kl_coef=0.1))
-        assert cfg.name == name and cfg.kl_estimator == "k3"
+def test_config_choices_match_the_corrections() -> None:
+    assert literal_values("behaviour_weight_level") == set(CORRECTION_LEVELS)
+
+
+def test_the_algorithm_section_has_every_setting_the_losses_read() -> None:
+    read = typing.get_type_hints(LossSettings)
+    missing = sorted(set(read) - set(AlgorithmConfig.model_fields))
+    assert not missing, f"LossSettings reads {missing}, which the algorithm config does not have"

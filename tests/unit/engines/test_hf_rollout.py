@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Sequence
-from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -12,10 +11,12 @@ import pytest
 import torch
 from tiny_lm import EOS_ID, decode, encode
 
-from engines.hf_rollout import EngineClosedError, HFRolloutEngine
 from core.protocols import GenerationRequest, RolloutEngine, SamplingParams
+from core.records import FinishReason, ResumePolicy, Trajectory
+from engines.hf_rollout import EngineClosedError, HFRolloutEngine
 from engines.torch_train import TorchLogProbEngine
-from core.records import FinishReason, ResumePolicy, Sample
+from param_sync import SyncError
+from tests.unit.engines.weights_for_tests import push, push_from_inside_a_step
 
 PROMPTS = ["1+2=", "34+5=", "6=", "78+90=", "b", "12+3=", "c+d=", "4"]
 
@@ -34,7 +35,7 @@ def requests(max_new: Sequence[int], **params: Any) -> list[GenerationRequest]:
     ]
 
 
-async def collect(stream: AsyncIterator[Sample]) -> list[Sample]:
+async def collect(stream: AsyncIterator[Trajectory]) -> list[Trajectory]:
     return sorted([s async for s in stream], key=lambda s: (s.prompt_id, s.index))
 
 
@@ -68,7 +69,7 @@ async def test_logprobs_match_the_trainer_including_rows_that_joined_mid_batch(
     async with TorchLogProbEngine(str(model_dir), temperature=temperature) as scorer:
         recomputed = await scorer.logprobs(samples)
     for sample, logprobs in zip(samples, recomputed, strict=True):
-        assert sample.token_versions == [0] * sample.num_tokens
+        assert sample.versions == [0] * sample.num_actions
         assert sample.start_version == 0 and sample.resumed is None
         assert max_gap(sample.behaviour_logprobs, logprobs) < 1e-4
 
@@ -81,7 +82,7 @@ async def test_continuous_batching_samples_what_one_at_a_time_samples(
     batched = await collect(engine.generate(reqs))
     async with HFRolloutEngine(str(model_dir), max_batch_size=1) as alone:
         one_by_one = [(await collect(alone.generate([r])))[0] for r in reqs]
-    assert [s.response_ids for s in batched] == [s.response_ids for s in one_by_one]
+    assert [s.payload.response_ids for s in batched] == [s.payload.response_ids for s in one_by_one]
     for a, b in zip(batched, one_by_one, strict=True):
         assert max_gap(a.behaviour_logprobs, b.behaviour_logprobs) < 1e-4
 
@@ -93,33 +94,33 @@ async def test_samples_of_a_group_differ_under_one_seed(engine: HFRolloutEngine)
     ]
     samples = await collect(engine.generate(group))
     assert [s.index for s in samples] == [0, 1, 2, 3]
-    assert len({tuple(s.response_ids) for s in samples}) == 4
+    assert len({tuple(s.payload.response_ids) for s in samples}) == 4
 
 
 async def test_top_k_one_is_greedy(engine: HFRolloutEngine) -> None:
     [sample] = await collect(engine.generate(requests([10], top_k=1)))
     with torch.no_grad():  # the engine is idle: its model can be borrowed for a reference forward
-        logits = engine.model(torch.tensor([sample.prompt_ids + sample.response_ids])).logits[0]
-    prompt_len = len(sample.prompt_ids)
-    assert sample.response_ids == logits[prompt_len - 1 : -1].argmax(-1).tolist()
+        logits = engine.model(torch.tensor([sample.payload.prompt_ids + sample.payload.response_ids])).logits[0]
+    prompt_len = len(sample.payload.prompt_ids)
+    assert sample.payload.response_ids == logits[prompt_len - 1 : -1].argmax(-1).tolist()
 
 
 async def test_max_new_tokens_and_stop_strings(engine: HFRolloutEngine) -> None:
     [free] = await collect(engine.generate(requests([1, 20])[1:]))
-    assert free.finish_reason is FinishReason.LENGTH and free.num_tokens == 20
-    assert free.response_text == decode(free.response_ids)
+    assert free.finish_reason is FinishReason.LENGTH and free.num_actions == 20
+    assert free.payload.text == decode(free.payload.response_ids)
     [single] = await collect(engine.generate(requests([1])))
-    assert single.finish_reason is FinishReason.LENGTH and single.num_tokens == 1
+    assert single.finish_reason is FinishReason.LENGTH and single.num_actions == 1
 
     # Same seed, same tokens: a stop string taken from the free-running text cuts it there,
     # at the token that completes it (the stop string stays in the text, token-aligned).
-    stop = free.response_text[5:7]
+    stop = free.payload.text[5:7]
     [stopped] = await collect(engine.generate(requests([1, 20], stop=("zz", stop))[1:]))
-    n = stopped.num_tokens
+    n = stopped.num_actions
     assert stopped.finish_reason is FinishReason.STOP and n < 20
-    assert stopped.response_ids == free.response_ids[:n]
+    assert stopped.payload.response_ids == free.payload.response_ids[:n]
     assert stopped.behaviour_logprobs == free.behaviour_logprobs[:n]
-    assert stopped.response_text.endswith(stop) and stop not in decode(stopped.response_ids[:-1])
+    assert stopped.payload.text.endswith(stop) and stop not in decode(stopped.payload.response_ids[:-1])
 
 
 async def test_eos_stops_a_sequence(eos_model_dir: Path) -> None:
@@ -129,22 +130,22 @@ async def test_eos_stops_a_sequence(eos_model_dir: Path) -> None:
     assert stopped, "expected some of 8 x 30 draws over 20 tokens to hit eos"
     for s in samples:
         if s.finish_reason is FinishReason.STOP:
-            assert s.response_ids[-1] == EOS_ID and EOS_ID not in s.response_ids[:-1]
+            assert s.payload.response_ids[-1] == EOS_ID and EOS_ID not in s.payload.response_ids[:-1]
         else:
-            assert EOS_ID not in s.response_ids and s.num_tokens == 30
+            assert EOS_ID not in s.payload.response_ids and s.num_actions == 30
 
 
 async def test_concurrent_generate_calls_share_the_batch(engine: HFRolloutEngine) -> None:
     reqs = requests([6, 9, 12, 5])
     first, second = await asyncio.gather(collect(engine.generate(reqs[:2])), collect(engine.generate(reqs[2:])))
     together = await collect(engine.generate(reqs))
-    assert [s.response_ids for s in first + second] == [s.response_ids for s in together]
+    assert [s.payload.response_ids for s in first + second] == [s.payload.response_ids for s in together]
 
 
 async def test_closing_a_stream_early_drops_its_requests(engine: HFRolloutEngine) -> None:
     stream = engine.generate(requests([2, 400, 400, 400]))
     first = await anext(stream)
-    assert first.num_tokens == 2
+    assert first.num_actions == 2
     await stream.aclose()  # the long rows leave the batch at the next step boundary
     forwards = 0
 
@@ -154,7 +155,7 @@ async def test_closing_a_stream_early_drops_its_requests(engine: HFRolloutEngine
 
     engine.model.register_forward_hook(count)
     [after] = await collect(engine.generate(requests([3])))
-    assert after.num_tokens == 3
+    assert after.num_actions == 3
     assert forwards < 20  # not the ~400 steps the abandoned rows would have taken
 
 
@@ -178,28 +179,28 @@ async def test_invalid_params_fail_at_submission(engine: HFRolloutEngine) -> Non
 # ------------------------------------------------------------------------- weight updates
 
 
-def update_after_forwards(engine: HFRolloutEngine, weights: dict[str, torch.Tensor], forwards: int) -> list[Future[None]]:
-    """Submit ``weights`` as version 1 from inside the k-th forward pass: it lands right after that step."""
-    submitted: list[Future[None]] = []
+def update_after_forwards(engine: HFRolloutEngine, weights: dict[str, torch.Tensor], forwards: int) -> list[Any]:
+    """Push ``weights`` as version 1 from inside the k-th forward pass: it lands right after that step."""
+    pushes: list[Any] = []
     calls = 0
 
     def hook(*_: object) -> None:
         nonlocal calls
         calls += 1
         if calls == forwards:
-            submitted.append(engine.submit_weights(weights, version=1))
+            pushes.append(push_from_inside_a_step(engine.target, weights, version=1))
 
     engine.model.register_forward_hook(hook)
-    return submitted
+    return pushes
 
 
-async def score_by_version(samples: list[Sample], v0_dir: Path, v1_dir: Path) -> list[tuple[list[float], list[float]]]:
+async def score_by_version(samples: list[Trajectory], v0_dir: Path, v1_dir: Path) -> list[tuple[list[float], list[float]]]:
     async with TorchLogProbEngine(str(v0_dir)) as v0, TorchLogProbEngine(str(v1_dir)) as v1:
         return list(zip(await v0.logprobs(samples), await v1.logprobs(samples), strict=True))
 
 
-def split_by_version(sample: Sample, values: Sequence[float], version: int) -> tuple[list[float], list[float]]:
-    pairs = [(b, v) for b, v, ver in zip(sample.behaviour_logprobs, values, sample.token_versions) if ver == version]
+def split_by_version(sample: Trajectory, values: Sequence[float], version: int) -> tuple[list[float], list[float]]:
+    pairs = [(b, v) for b, v, ver in zip(sample.behaviour_logprobs, values, sample.versions) if ver == version]
     return [b for b, _ in pairs], [v for _, v in pairs]
 
 
@@ -207,12 +208,12 @@ async def test_recompute_resumes_under_new_weights_with_aligned_versions(
     model_dir: Path, v1_model_dir: Path, v1_weights: dict[str, torch.Tensor]
 ) -> None:
     async with HFRolloutEngine(str(model_dir), max_batch_size=8) as eng:
-        submitted = update_after_forwards(eng, v1_weights, forwards=5)
+        pushed = update_after_forwards(eng, v1_weights, forwards=5)
         [single] = await collect(eng.generate(requests([12])))
-        submitted[0].result()
+        await asyncio.to_thread(pushed[0].join)
         assert eng.version == 1
     # Forward 1 is the prefill (token 0), forwards 2-5 decode tokens 1-4; the update lands after.
-    assert single.token_versions == [0] * 5 + [1] * 7
+    assert single.versions == [0] * 5 + [1] * 7
     assert single.start_version == 0 and single.resumed is ResumePolicy.RECOMPUTE
     [(old, new)] = await score_by_version([single], model_dir, v1_model_dir)
     assert max_gap(*split_by_version(single, old, 0)) < 1e-4
@@ -227,7 +228,7 @@ async def test_recompute_with_many_rows_of_different_lengths(
         samples = await collect(eng.generate(requests([4, 14, 9, 18, 6, 12, 15, 10])))
     versions_seen = set()
     for sample, (old, new) in zip(samples, await score_by_version(samples, model_dir, v1_model_dir), strict=True):
-        versions = sample.token_versions
+        versions = sample.versions
         assert versions == sorted(versions) and sample.start_version == versions[0]
         interrupted = versions[0] == 0 and versions[-1] == 1
         assert sample.resumed is (ResumePolicy.RECOMPUTE if interrupted else None)
@@ -243,7 +244,7 @@ async def test_keep_cache_resumes_on_the_old_cache_and_says_so(
     async with HFRolloutEngine(str(model_dir), resume_policy="keep_cache") as eng:
         update_after_forwards(eng, v1_weights, forwards=5)
         [single] = await collect(eng.generate(requests([12])))
-    assert single.token_versions == [0] * 5 + [1] * 7
+    assert single.versions == [0] * 5 + [1] * 7
     assert single.resumed is ResumePolicy.KEEP_CACHE
     [(old, new)] = await score_by_version([single], model_dir, v1_model_dir)
     assert max_gap(*split_by_version(single, old, 0)) < 1e-4
@@ -255,10 +256,10 @@ async def test_keep_cache_resumes_on_the_old_cache_and_says_so(
 async def test_update_while_idle_serves_the_next_requests(
     engine: HFRolloutEngine, v1_model_dir: Path, v1_weights: dict[str, torch.Tensor]
 ) -> None:
-    await engine.update_weights(v1_weights.items(), version=3)
+    await push(engine.target, v1_weights, version=3)
     assert engine.version == 3
     [sample] = await collect(engine.generate(requests([6])))
-    assert sample.token_versions == [3] * 6 and sample.resumed is None
+    assert sample.versions == [3] * 6 and sample.resumed is None
     async with TorchLogProbEngine(str(v1_model_dir)) as v1:
         [logprobs] = await v1.logprobs([sample])
     assert max_gap(sample.behaviour_logprobs, logprobs) < 1e-4
@@ -267,21 +268,23 @@ async def test_update_while_idle_serves_the_next_requests(
 @pytest.mark.parametrize(
     ("mutate", "error"),
     [
-        (lambda w: w.pop("lm_head.weight"), KeyError),
-        (lambda w: w.update(extra=torch.zeros(1)), KeyError),
-        (lambda w: w.update({"lm_head.weight": torch.zeros(3, 3)}), ValueError),
+        (lambda w: w.pop("lm_head.weight"), "leaves 1 weights unset"),
+        (lambda w: w.update(extra=torch.zeros(1)), "no weight 'extra'"),
+        (lambda w: w.update({"lm_head.weight": torch.zeros(3, 3)}), "lm_head.weight"),
     ],
 )
 async def test_a_rejected_update_changes_nothing(
-    engine: HFRolloutEngine, scorer: TorchLogProbEngine, v1_weights: dict[str, torch.Tensor], mutate: Any, error: type
+    engine: HFRolloutEngine, scorer: TorchLogProbEngine, v1_weights: dict[str, torch.Tensor], mutate: Any, error: str
 ) -> None:
     weights = dict(v1_weights)
     mutate(weights)
-    with pytest.raises(error):
-        await engine.update_weights(weights, version=1)
-    with pytest.raises(ValueError, match="not above"):
-        await engine.update_weights(v1_weights, version=0)
-    assert engine.version == 0
+    with pytest.raises(SyncError, match=error):
+        await push(engine.target, weights, version=1)
+    await push(engine.target, v1_weights, version=2)  # a newer version loads...
+    with pytest.raises(SyncError, match="older than loaded version 2"):
+        await push(engine.target, dict(engine.model.state_dict()), version=1)  # ...an older one never
+    assert engine.version == 2
+    await push(engine.target, {n: t.clone() for n, t in scorer.model.state_dict().items()}, version=3)
     [sample] = await collect(engine.generate(requests([6])))
     [logprobs] = await scorer.logprobs([sample])
     assert max_gap(sample.behaviour_logprobs, logprobs) < 1e-4  # still the old weights, all of them

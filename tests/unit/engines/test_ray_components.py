@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
-from engines.fake import FakeRolloutEngine, LatencySampler
-from core.protocols import GenerationRequest, SamplingParams
 from core.config import LatencySpec
-from core.records import Sample
+from core.protocols import GenerationRequest, RolloutRequest, SamplingParams
+from core.records import PromptGroup, TaskItem, Trajectory
+from engines.fake import FakeRolloutEngine, LatencySampler
 
 ray = pytest.importorskip("ray")
 
@@ -35,9 +35,10 @@ class FakeRolloutActor:
     async def ready(self) -> tuple[int, int]:
         return os.getpid(), self.engine.version
 
-    async def generate(self, requests: Sequence[GenerationRequest]) -> AsyncIterator[Sample]:
-        async for sample in self.engine.generate(requests):
-            yield sample
+    async def generate(self, requests: Sequence[GenerationRequest]) -> AsyncIterator[Trajectory]:
+        rollouts = [RolloutRequest(PromptGroup(r.prompt_id, TaskItem("", r.prompt_ids), 1), r.index, r.seed) for r in requests]
+        async for trajectory in self.engine.rollout(rollouts):
+            yield trajectory
 
     async def hold(self, seconds: float) -> None:
         await asyncio.sleep(seconds)
@@ -75,7 +76,7 @@ def test_a_calls_groups_are_split_between_the_actors_and_every_sample_arrives_on
     assert [a.in_flight for a in engine.actors] == [0, 0]
 
 
-async def first_then_kill(engine: RayRolloutEngine, delivered: list[Sample]) -> None:
+async def first_then_kill(engine: RayRolloutEngine, delivered: list[Trajectory]) -> None:
     async for sample in engine.generate(requests(4, 2)):
         delivered.append(sample)
         ray.kill(engine.actors[0].handle, no_restart=False)
@@ -83,7 +84,7 @@ async def first_then_kill(engine: RayRolloutEngine, delivered: list[Sample]) -> 
 
 def test_past_the_restart_bound_a_dead_actor_fails_naming_its_role_and_name(ray_cluster: Any) -> None:
     engine = proxy(1, restarts=0)
-    delivered: list[Sample] = []
+    delivered: list[Trajectory] = []
     with pytest.raises(ActorFailedError, match="generate actor 'rollout-0' failed"):
         asyncio.run(first_then_kill(engine, delivered))
     assert len(delivered) == 1 and engine.actors[0].in_flight == 0
@@ -99,8 +100,8 @@ def test_a_restarted_actor_is_reloaded_before_the_call_fails_and_then_serves_aga
     engine.resync = resync
     engine.loaded(3)  # the flow has loaded version 3; the restarted actor holds version 0
 
-    async def run() -> list[Sample]:
-        delivered: list[Sample] = []
+    async def run() -> list[Trajectory]:
+        delivered: list[Trajectory] = []
         with pytest.raises(ActorFailedError, match="rollout-0"):
             await first_then_kill(engine, delivered)
         assert reloads == [1]  # reloaded before the failure reached the caller

@@ -1,5 +1,6 @@
-"""Building the torch bundle: data files, bad input named (rows, a tokenizer that is not the
-model's, a response budget that fills the context), thread budgets that never oversubscribe."""
+"""Building the torch bundle: data files tokenized as they load, bad input named (rows, a tokenizer
+that is not the model's, a response budget that fills the context), thread budgets that never
+oversubscribe."""
 
 from __future__ import annotations
 
@@ -10,10 +11,17 @@ from pathlib import Path
 
 import pytest
 
-from engines.tokenizer import load_tokenizer
-from engines.torch_components import build_torch_components, file_prompts, prompt_budget, thread_budgets
 from core.config import ConfigError, TandemConfig, validate_config
+from engines.tokenizer import load_tokenizer
+from engines.torch_components import prompt_budget, thread_budgets, tokenized, tokenized_held_out
+from pipeline.builders import build_components
 from tasks.arithmetic import MODEL_DIR
+from tasks.dataset import FileItems
+from tasks.registry import load_task
+
+
+def file_prompts(path: Path, tokenizer: object) -> object:
+    return tokenized(FileItems(path), tokenizer)
 
 
 class CharTokenizer:
@@ -29,6 +37,7 @@ def test_jsonl_prompts_are_tokenized_and_reshuffled_each_epoch(tmp_path: Path) -
     assert sorted(p.prompt for p in first[:5]) == sorted(p.prompt for p in first[5:])  # two full epochs
     assert first[0].prompt_ids == [ord(c) for c in first[0].prompt]
     assert [p.prompt for p in islice(source(7), 5)] == [p.prompt for p in first[:5]]  # deterministic per seed
+    assert [p.prompt for p in islice(source(7, 3), 5)] == [p.prompt for p in first[3:8]]  # a position resumes in place
 
 
 def test_parquet_prompts_load(tmp_path: Path) -> None:
@@ -65,7 +74,8 @@ def test_a_missing_data_file_is_named(tmp_path: Path) -> None:
 def test_thread_budgets_split_the_cores_only_when_phases_overlap(
     k: int, cores: int, ranks: int, expected: tuple[int, int]
 ) -> None:
-    cfg = validate_config({"engines": {"type": "torch", "train_world_size": ranks}, "staleness": {"max_staleness": k},
+    cfg = validate_config({"task": {"name": "arithmetic"}, "engines": {"type": "torch", "train_world_size": ranks},
+                           "staleness": {"max_staleness": k},
                            "flow": {"stages": ["dataloader", "generate", "rollout", "logp", "reward", "train"]}})
     assert thread_budgets(cfg, cores=cores) == expected
 
@@ -73,12 +83,13 @@ def test_thread_budgets_split_the_cores_only_when_phases_overlap(
 def test_a_data_file_that_is_not_json_lines_is_named(tmp_path: Path) -> None:
     path = tmp_path / "broken.jsonl"
     path.write_text('{"prompt": "1+1=\\n", "answer": "2"}\n{"prompt": "2+2=\\n", "ans\n')
-    with pytest.raises(ConfigError, match=f"task.data_path: cannot read {path}"):
+    with pytest.raises(ConfigError, match=f"task.data_path: cannot read {path} \\(line 2 is not valid JSON"):
         file_prompts(path, CharTokenizer())
 
 
 def torch_config(model_path: Path, **rollout: object) -> TandemConfig:
     return validate_config({
+        "task": {"name": "arithmetic"},
         "engines": {"type": "torch", "model_path": str(model_path)},
         "flow": {"stages": ["dataloader", "generate", "rollout", "logp", "reward", "train"]},
         "rollout": rollout,
@@ -101,16 +112,15 @@ def test_a_tokenizer_that_does_not_belong_to_the_model_is_named(tmp_path: Path) 
     (model / "config.json").write_text(json.dumps(config))
     tokenizer = load_tokenizer(model)
     with pytest.raises(ConfigError, match=rf"the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is 10"):
-        build_torch_components(torch_config(model))
+        build_components(torch_config(model))
 
 
 def test_the_held_out_set_is_the_problems_pretraining_reported_on_tokenized() -> None:
-    from engines.torch_components import held_out_prompts
     from tasks.arithmetic import generate_problems
     from tasks.arithmetic.pretrain import REPORT_SEED
 
     tokenizer = load_tokenizer(str(MODEL_DIR))
-    held_out = held_out_prompts(tokenizer)
+    held_out = tokenized_held_out(load_task("arithmetic"), tokenizer)
     prompts = held_out(5)
     assert prompts == held_out(5)
     expected = generate_problems(5, REPORT_SEED)

@@ -21,13 +21,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_torch_train import make_groups, pg_loss
+from test_torch_train import Objective, make_batch, pg, pg_loss
 
+from algorithms import PolicyObjective
 from algorithms.batch import LossInputs
-from algorithms.losses import LossConfig, compute_policy_loss
+from algorithms.objective import LossMeanOver
+from core.config import AlgorithmConfig
+from core.records import Trajectory
 from engines.torch_ddp import TrainRankError, balance
-from engines.torch_train import LossMeanOver, TorchTrainEngine
-from core.records import RolloutGroup
+from engines.torch_train import TorchTrainEngine
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -45,7 +47,7 @@ def fails_off_the_driver(inputs: LossInputs, *, driver_pid: int) -> tuple[torch.
     """A picklable loss that raises in every process but the driver's (so on rank 1 only)."""
     if os.getpid() != driver_pid:
         raise ValueError("loss exploded on a rank process")
-    return pg_loss(inputs)
+    return pg(inputs)
 
 
 def weights(engine: TorchTrainEngine) -> dict[str, torch.Tensor]:
@@ -95,10 +97,10 @@ def test_world_size_is_checked_before_anything_starts(model_dir: Path) -> None:
 @pytest.mark.parametrize(
     ("aggregation", "mean_over", "batches"),
     [
-        ("token-mean", "tokens", [make_groups(0), make_groups(1)]),
-        ("seq-mean-token-mean", "sequences", [make_groups(0), make_groups(1)]),
+        ("token-mean", "tokens", [make_batch(0), make_batch(1)]),
+        ("seq-mean-token-mean", "sequences", [make_batch(0), make_batch(1)]),
         # One sample per step: rank 1 has no gradient and must not add zeros to AdamW's state.
-        ("token-mean", "tokens", [make_groups(0, groups=1, n=1), make_groups(1, groups=1, n=1)]),
+        ("token-mean", "tokens", [make_batch(0, groups=1, n=1), make_batch(1, groups=1, n=1)]),
     ],
     ids=["token-mean", "sequence-mean", "rank-1-idle"],
 )
@@ -107,13 +109,14 @@ async def test_two_ranks_take_the_one_process_steps(
     two_ranks: TorchTrainEngine,
     aggregation: str,
     mean_over: LossMeanOver,
-    batches: list[list[RolloutGroup]],
+    batches: list[list[Trajectory]],
 ) -> None:
-    loss_fn = functools.partial(compute_policy_loss, cfg=LossConfig(decoupled=False, aggregation=aggregation))
+    objective = PolicyObjective(AlgorithmConfig(decoupled=False, aggregation=aggregation))
+    assert objective.mean_over == mean_over
     async with TorchTrainEngine(str(model_dir), **EXACT) as one:
         for groups in batches:
-            alone = await one.train_step(groups, loss_fn, loss_mean_over=mean_over)
-            split = await two_ranks.train_step(groups, loss_fn, loss_mean_over=mean_over)
+            alone = await one.train_step(groups, objective)
+            split = await two_ranks.train_step(groups, objective)
             assert split.keys() == alone.keys()
             for key, value in alone.items():
                 assert split[key] == pytest.approx(value, rel=1e-9, abs=1e-12), key
@@ -122,18 +125,18 @@ async def test_two_ranks_take_the_one_process_steps(
 
 
 async def test_load_state_dict_restores_every_rank(model_dir: Path, two_ranks: TorchTrainEngine) -> None:
-    await two_ranks.train_step(make_groups(0), pg_loss)
+    await two_ranks.train_step(make_batch(0), pg_loss)
     state = two_ranks.state_dict()
     for seed in (1, 2):  # move both ranks away from the checkpoint
-        await two_ranks.train_step(make_groups(seed), pg_loss)
+        await two_ranks.train_step(make_batch(seed), pg_loss)
 
     two_ranks.load_state_dict(state)
     async with TorchTrainEngine(str(model_dir), **EXACT) as one:
         one.load_state_dict(state)
         # Two steps: the second also depends on rank 1's restored Adam moments (through its weights).
         for seed in (3, 4):
-            alone = await one.train_step(make_groups(seed), pg_loss)
-            split = await two_ranks.train_step(make_groups(seed), pg_loss)
+            alone = await one.train_step(make_batch(seed), pg_loss)
+            split = await two_ranks.train_step(make_batch(seed), pg_loss)
             assert split["loss"] == pytest.approx(alone["loss"], rel=1e-9)
             assert split["grad_norm"] == pytest.approx(alone["grad_norm"], rel=1e-9)
         assert two_ranks.version == one.version == 3
@@ -144,35 +147,35 @@ async def test_a_failing_rank_fails_the_step_by_name_and_the_engine_carries_on(
     model_dir: Path, two_ranks: TorchTrainEngine
 ) -> None:
     with pytest.raises(TypeError, match="picklable"):
-        await two_ranks.train_step(make_groups(0), lambda inputs: pg_loss(inputs))
+        await two_ranks.train_step(make_batch(0), Objective(lambda inputs: pg(inputs)))
     failing = functools.partial(fails_off_the_driver, driver_pid=os.getpid())
     with pytest.raises(TrainRankError, match="(?s)train rank 1 failed.*loss exploded on a rank process") as info:
-        await two_ranks.train_step(make_groups(0), failing)
+        await two_ranks.train_step(make_batch(0), Objective(failing))
     assert info.value.rank == 1 and two_ranks.version == 0
 
     # Every rank dropped the failed step's gradient: the next step is a clean first step.
     async with TorchTrainEngine(str(model_dir), **EXACT) as one:
-        await one.train_step(make_groups(1), pg_loss)
-        await two_ranks.train_step(make_groups(1), pg_loss)
+        await one.train_step(make_batch(1), pg_loss)
+        await two_ranks.train_step(make_batch(1), pg_loss)
         assert max_weight_diff(one, two_ranks) < 1e-9
 
 
 async def test_a_killed_rank_fails_the_next_step_by_name(model_dir: Path) -> None:
     others = rank_processes()
     async with TorchTrainEngine(str(model_dir), lr=1e-2, world_size=2) as engine:
-        await engine.train_step(make_groups(0), pg_loss)
+        await engine.train_step(make_batch(0), pg_loss)
         [rank1] = rank_processes(besides=others)
         rank1.kill()
         rank1.join()
 
         start = time.monotonic()
         with pytest.raises(TrainRankError, match="train rank 1 died") as info:
-            await engine.train_step(make_groups(1), pg_loss)
+            await engine.train_step(make_batch(1), pg_loss)
         assert info.value.rank == 1 and time.monotonic() - start < 3.0
         with pytest.raises(RuntimeError, match="out of step since: train rank 1 died"):
-            await engine.train_step(make_groups(1), pg_loss)
+            await engine.train_step(make_batch(1), pg_loss)
         assert engine.version == 1
-        assert len(await engine.logprobs(make_groups(1)[0].samples)) == 4  # rank 0 still scores
+        assert len(await engine.logprobs(make_batch(1)[:4])) == 4  # rank 0 still scores
     assert rank_processes(besides=others) == []
 
 

@@ -19,14 +19,14 @@ from typing import Any
 
 import pytest
 import torch
+from test_torch_train import pg_loss
 from tiny_lm import encode, save_tiny_model
 
-from algorithms.batch import LossInputs
-from engines.hf_rollout import HFRolloutEngine, HFSyncTarget
 from core.protocols import GenerationRequest, SamplingParams, WeightSync
+from core.records import FinishReason, ResumePolicy, Trajectory, token_trajectory
+from engines.hf_rollout import HFRolloutEngine
 from engines.torch_sync import TorchWeightSync, TrainerSyncSource
 from engines.torch_train import TorchLogProbEngine, TorchTrainEngine
-from engines.torch_weights import unique_weights
 from param_sync import (
     BucketHeader,
     BufferHalf,
@@ -38,30 +38,24 @@ from param_sync import (
     SyncSource,
     SyncTarget,
     TransferError,
+    unique_weights,
 )
-from core.records import FinishReason, PromptGroup, ResumePolicy, RolloutGroup, Sample
 
 # Small buckets and pieces: the ~300 KB tiny model crosses in several of each.
 BUCKETS = {"produce_bucket_mb": 0.05, "consume_bucket_mb": 0.02}
 
 
-def pg_loss(inputs: LossInputs) -> tuple[torch.Tensor, dict[str, float]]:
-    loss = -(inputs.logprobs * inputs.advantages * inputs.mask).sum() / inputs.mask.sum()
-    return loss, {}
-
-
-def groups(seed: int) -> list[RolloutGroup]:
-    """Two random groups with alternating advantages: one train step moves every weight."""
+def groups(seed: int) -> list[Trajectory]:
+    """Two random groups of four with alternating advantages: one train step moves every weight."""
     rng = random.Random(seed)
     out = []
     for g in range(2):
         prompt = [rng.randrange(2, 20) for _ in range(4)]
-        samples = [
-            Sample(g, i, prompt, (resp := [rng.randrange(2, 20) for _ in range(8)]), [-1.0] * len(resp),
-                   [0] * len(resp), 0, FinishReason.LENGTH, advantage=1.0 if i % 2 else -1.0)
-            for i in range(4)
-        ]
-        out.append(RolloutGroup(PromptGroup(g, "", prompt, 4), samples))
+        for i in range(4):
+            response = [rng.randrange(2, 20) for _ in range(8)]
+            trajectory = token_trajectory(g, i, prompt, response, [-1.0] * 8, [0] * 8, FinishReason.LENGTH)
+            trajectory.advantage = 1.0 if i % 2 else -1.0
+            out.append(trajectory)
     return out
 
 
@@ -92,7 +86,7 @@ def requests(n: int, max_new_tokens: int) -> list[GenerationRequest]:
     ]
 
 
-async def collect(stream: AsyncIterator[Sample]) -> list[Sample]:
+async def collect(stream: AsyncIterator[Trajectory]) -> list[Trajectory]:
     return sorted([s async for s in stream], key=lambda s: s.prompt_id)
 
 
@@ -101,9 +95,9 @@ class Engines:
 
     def __init__(self, model_dir: Path, mode: str, *, transport: Any = None, source: Any = None, **rollout: Any) -> None:
         self.trainer = TorchTrainEngine(str(model_dir), lr=1e-2)
-        self.rollout = HFRolloutEngine(str(model_dir), **rollout)
+        self.rollout = HFRolloutEngine(str(model_dir), load_mode=mode, **rollout)
         self.source = source(self.trainer) if source else TrainerSyncSource(self.trainer)
-        self.target = HFSyncTarget(self.rollout, load_mode=mode)
+        self.target = self.rollout.target
         inner = InProcessTransport([Receiver(self.target, consume_bucket_mb=BUCKETS["consume_bucket_mb"])])
         self.transport = transport(inner) if transport else inner
         syncer = ParamSyncer(self.source, self.transport, produce_bucket_mb=BUCKETS["produce_bucket_mb"])
@@ -179,7 +173,7 @@ async def test_tokens_generated_while_syncs_land_carry_the_version_that_produced
             by_version[version] = await scorer.logprobs(samples)
     spans = set()
     for i, sample in enumerate(samples):
-        versions = sample.token_versions
+        versions = sample.versions
         assert versions == sorted(versions) and sample.start_version == versions[0]
         spans.add((versions[0], versions[-1]))
         if versions[0] != versions[-1]:
@@ -285,7 +279,7 @@ async def test_a_corrupt_transfer_leaves_the_old_weights_serving_and_the_next_sy
         await e.sync.sync(1)
     assert e.rollout.version == 0 and differing(rollout_raw(e.rollout), old) == []
     [sample] = await collect(e.rollout.generate(requests(1, 5)))  # still generating, on version 0
-    assert sample.token_versions == [0] * 5
+    assert sample.versions == [0] * 5
     assert (await e.sync.sync(1)).version == e.rollout.version == 1
     assert differing(rollout_raw(e.rollout), trainer_raw(e.trainer)) == []
 

@@ -2,59 +2,62 @@
 
 from __future__ import annotations
 
-import functools
 import random
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 from tiny_lm import save_tiny_model
 
+from algorithms import PolicyObjective
 from algorithms.batch import LossInputs
-from algorithms.losses import LossConfig, compute_policy_loss
+from algorithms.objective import LossMeanOver
+from core.config import AlgorithmConfig
+from core.protocols import GenerationRequest, LogProbEngine, LossObjective, SamplingParams, TrainEngine
+from core.records import FinishReason, Trajectory, token_trajectory
 from engines.hf_rollout import HFRolloutEngine
-from core.protocols import GenerationRequest, LogProbEngine, SamplingParams, TrainEngine
 from engines.torch_microbatch import plan_micro_batches
-from engines.torch_train import LossFn, LossMeanOver, TorchLogProbEngine, TorchTrainEngine
-from core.records import FinishReason, PromptGroup, RolloutGroup, Sample
+from engines.torch_train import TorchLogProbEngine, TorchTrainEngine
+from tests.unit.engines.weights_for_tests import push
+
+LossFn = Callable[[LossInputs], tuple[torch.Tensor, dict[str, float]]]
 
 
-def pg_loss(inputs: LossInputs) -> tuple[torch.Tensor, dict[str, float]]:
+@dataclass(frozen=True)
+class Objective:
+    """A loss function as a train step's objective: a mean over ``mean_over`` in each micro-batch."""
+
+    fn: LossFn
+    mean_over: LossMeanOver = "tokens"
+
+    def __call__(self, inputs: LossInputs) -> tuple[torch.Tensor, dict[str, float]]:
+        return self.fn(inputs)
+
+
+def pg(inputs: LossInputs) -> tuple[torch.Tensor, dict[str, float]]:
     """Plain policy gradient, token mean over the micro-batch."""
     loss = -(inputs.logprobs * inputs.advantages * inputs.mask).sum() / inputs.mask.sum()
     return loss, {"pg_loss": float(loss.detach())}
 
 
-def make_groups(seed: int = 0, groups: int = 3, n: int = 4) -> list[RolloutGroup]:
-    """Random token sequences of varied lengths with alternating-sign advantages."""
+pg_loss = Objective(pg)
+
+
+def make_batch(seed: int = 0, groups: int = 3, n: int = 4) -> list[Trajectory]:
+    """Random token sequences of varied lengths with alternating-sign advantages, ``n`` per group."""
     rng = random.Random(seed)
     out = []
     for g in range(groups):
         prompt = [rng.randrange(2, 20) for _ in range(rng.randint(2, 7))]
-        samples = []
         for i in range(n):
             response = [rng.randrange(2, 20) for _ in range(rng.randint(1, 12))]
-            samples.append(
-                Sample(
-                    prompt_id=g,
-                    index=i,
-                    prompt_ids=prompt,
-                    response_ids=response,
-                    behaviour_logprobs=[-1.0] * len(response),
-                    token_versions=[0] * len(response),
-                    start_version=0,
-                    finish_reason=FinishReason.LENGTH,
-                    advantage=1.0 if i % 2 == 0 else -1.0,
-                )
-            )
-        out.append(RolloutGroup(PromptGroup(g, "", prompt, n), samples))
+            trajectory = token_trajectory(g, i, prompt, response, [-1.0] * len(response), [0] * len(response),
+                                          FinishReason.LENGTH)
+            trajectory.advantage = 1.0 if i % 2 == 0 else -1.0
+            out.append(trajectory)
     return out
-
-
-def flat(groups: list[RolloutGroup]) -> list[Sample]:
-    return [s for g in groups for s in g.samples]
 
 
 @pytest.fixture
@@ -80,7 +83,7 @@ def test_implements_protocols(trainer: TorchTrainEngine) -> None:
 
 
 async def test_micro_batched_logprobs_equal_one_batch(model_dir: Path) -> None:
-    samples = flat(make_groups())
+    samples = make_batch()
     async with (
         TorchLogProbEngine(str(model_dir), max_tokens_per_micro_batch=1) as alone,
         TorchLogProbEngine(str(model_dir), max_tokens_per_micro_batch=100_000) as together,
@@ -88,18 +91,17 @@ async def test_micro_batched_logprobs_equal_one_batch(model_dir: Path) -> None:
         lp_a, ent_a = await alone.logprobs_and_entropy(samples)
         lp_b, ent_b = await together.logprobs_and_entropy(samples)
     for s, a, b, ea, eb in zip(samples, lp_a, lp_b, ent_a, ent_b, strict=True):
-        assert len(a) == len(b) == len(ea) == s.num_tokens
+        assert len(a) == len(b) == len(ea) == s.num_actions
         assert max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-5
         assert max(abs(x - y) for x, y in zip(ea, eb, strict=True)) < 1e-5
         assert all(x < 0 for x in a) and all(0 < e < 3.0 for e in ea)  # entropy of 20 tokens <= ln 20
 
 
 async def test_train_step_raises_logprobs_of_positive_advantage_tokens(trainer: TorchTrainEngine) -> None:
-    groups = make_groups()
-    samples = flat(groups)
+    samples = make_batch()
     before_weights = {n: p.detach().clone() for n, p in trainer.named_tensors_for_sync()}
     before = await trainer.logprobs(samples)
-    metrics = await trainer.train_step(groups, pg_loss)
+    metrics = await trainer.train_step(samples, pg_loss)
     after = await trainer.logprobs(samples)
 
     assert trainer.version == 1
@@ -107,14 +109,14 @@ async def test_train_step_raises_logprobs_of_positive_advantage_tokens(trainer: 
     for s, b, a in zip(samples, before, after, strict=True):
         change = sum(a) - sum(b)
         assert change > 0 if s.advantage > 0 else change < 0
-    assert metrics["tokens"] == sum(s.num_tokens for s in samples)
+    assert metrics["tokens"] == sum(s.num_actions for s in samples)
     assert metrics["micro_batches"] > 1 and metrics["lr"] == pytest.approx(1e-2)
     assert metrics["loss"] == pytest.approx(metrics["pg_loss"])
     assert metrics["grad_norm"] > 0 and 0 < metrics["entropy"] < 3.0
 
 
 async def capture_grads(
-    trainer: TorchTrainEngine, groups: list[RolloutGroup], loss_fn: LossFn = pg_loss, **kwargs: Any
+    trainer: TorchTrainEngine, batch: list[Trajectory], objective: LossObjective = pg_loss
 ) -> tuple[dict[str, torch.Tensor], float]:
     """The accumulated (pre-clip) gradient of one train step, read as it completes."""
     grads: dict[str, torch.Tensor] = {}
@@ -122,7 +124,7 @@ async def capture_grads(
         p.register_post_accumulate_grad_hook(lambda p, name=name: grads.__setitem__(name, p.grad.clone()))
         for name, p in trainer.model.named_parameters()
     ]
-    metrics = await trainer.train_step(groups, loss_fn, **kwargs)
+    metrics = await trainer.train_step(batch, objective)
     for handle in handles:
         handle.remove()
     return grads, metrics["loss"]
@@ -135,21 +137,22 @@ async def capture_grads(
 async def test_token_budget_micro_batches_give_the_one_batch_gradient(
     model_dir: Path, aggregation: str, mean_over: LossMeanOver
 ) -> None:
-    groups = make_groups()
-    loss_fn = functools.partial(compute_policy_loss, cfg=LossConfig(decoupled=False, aggregation=aggregation))
+    batch = make_batch()
+    objective = PolicyObjective(AlgorithmConfig(decoupled=False, aggregation=aggregation))
+    assert objective.mean_over == mean_over
     async with (
         TorchTrainEngine(str(model_dir), lr=1e-2, max_tokens_per_micro_batch=16) as small,
         TorchTrainEngine(str(model_dir), lr=1e-2, max_tokens_per_micro_batch=100_000) as big,
     ):
-        small_grads, small_loss = await capture_grads(small, groups, loss_fn, loss_mean_over=mean_over)
-        big_grads, big_loss = await capture_grads(big, groups, loss_fn, loss_mean_over=mean_over)
+        small_grads, small_loss = await capture_grads(small, batch, objective)
+        big_grads, big_loss = await capture_grads(big, batch, objective)
     assert small_loss == pytest.approx(big_loss, abs=1e-6)
     for name, grad in big_grads.items():
         assert torch.allclose(small_grads[name], grad, atol=1e-5, rtol=0), name
 
 
 async def test_state_dict_round_trip_restores_model_optimizer_schedule_and_version(model_dir: Path) -> None:
-    groups = make_groups()
+    groups = make_batch()
     async with TorchTrainEngine(str(model_dir), lr=1e-2, warmup_steps=3) as trainer:
         await trainer.train_step(groups, pg_loss)
         state = trainer.state_dict()
@@ -168,22 +171,22 @@ async def test_state_dict_round_trip_restores_model_optimizer_schedule_and_versi
 
 async def test_linear_warmup_then_constant(model_dir: Path) -> None:
     async with TorchTrainEngine(str(model_dir), lr=0.1, warmup_steps=2) as trainer:
-        lrs = [(await trainer.train_step(make_groups(), pg_loss))["lr"] for _ in range(3)]
+        lrs = [(await trainer.train_step(make_batch(), pg_loss))["lr"] for _ in range(3)]
     assert lrs == pytest.approx([0.05, 0.1, 0.1])
 
 
 async def test_trainer_and_reference_see_the_losses_extra_inputs(trainer: TorchTrainEngine) -> None:
-    groups = make_groups()
-    for s in flat(groups):
-        s.prox_logprobs = [-2.0] * s.num_tokens
-        s.ref_logprobs = [-3.0] * s.num_tokens
+    groups = make_batch()
+    for s in groups:
+        s.prox_logprobs = [-2.0] * s.num_actions
+        s.ref_logprobs = [-3.0] * s.num_actions
     seen: list[LossInputs] = []
 
     def spy(inputs: LossInputs) -> tuple[torch.Tensor, dict[str, float]]:
         seen.append(inputs)
         return pg_loss(inputs)
 
-    await trainer.train_step(groups, spy)
+    await trainer.train_step(groups, Objective(spy))
     for inputs in seen:
         mask = inputs.mask
         assert inputs.logprobs.requires_grad and not inputs.behaviour_logprobs.requires_grad
@@ -195,13 +198,13 @@ async def test_trainer_and_reference_see_the_losses_extra_inputs(trainer: TorchT
 
 
 async def test_train_step_refuses_incomplete_samples(trainer: TorchTrainEngine) -> None:
-    groups = make_groups()
-    groups[0].samples[1].advantage = None
+    batch = make_batch()
+    batch[1].advantage = None
     with pytest.raises(ValueError, match="no advantage"):
-        await trainer.train_step(groups, pg_loss)
-    groups = make_groups()
-    groups[0].samples[0].prox_logprobs = [0.0] * groups[0].samples[0].num_tokens
-    with pytest.raises(ValueError, match="some samples"):
+        await trainer.train_step(batch, pg_loss)
+    groups = make_batch()
+    groups[0].prox_logprobs = [0.0] * groups[0].num_actions
+    with pytest.raises(ValueError, match="some trajectories"):
         await trainer.train_step(groups, pg_loss)
     assert trainer.version == 0
 
@@ -210,12 +213,12 @@ async def test_train_step_refuses_incomplete_samples(trainer: TorchTrainEngine) 
 async def test_synced_weights_make_rollout_and_trainer_agree(tmp_path: Path, tied: bool) -> None:
     model_dir = save_tiny_model(tmp_path, seed=0, eos=False, tied=tied)
     async with TorchTrainEngine(str(model_dir), lr=1e-2) as trainer, HFRolloutEngine(str(model_dir)) as rollout:
-        await trainer.train_step(make_groups(), pg_loss)
+        await trainer.train_step(make_batch(), pg_loss)
         names = [name for name, _ in trainer.named_tensors_for_sync()]
         assert ("lm_head.weight" in names) is not tied  # a tied weight travels once
-        await rollout.update_weights(trainer.named_tensors_for_sync(), trainer.version)
+        await push(rollout.target, dict(trainer.named_tensors_for_sync()), trainer.version)
         request = GenerationRequest(0, 0, [3, 4, 12], SamplingParams(max_new_tokens=10))
         samples = [s async for s in rollout.generate([request])]
         [logprobs] = await trainer.logprobs(samples)
-    assert samples[0].token_versions == [1] * 10
+    assert samples[0].versions == [1] * 10
     assert max(abs(a - b) for a, b in zip(samples[0].behaviour_logprobs, logprobs, strict=True)) < 1e-4

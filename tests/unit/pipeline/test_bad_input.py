@@ -7,33 +7,33 @@ import math
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from engines.fake import FakeTrainEngine, build_fake_components
-from core.protocols import RewardResult
+from core.protocols import LossObjective, RewardResult
+from core.records import PromptGroup, TaskItem, Trajectory
+from engines.fake import FakeTrainEngine
 from pipeline import AsyncTrainingFlow
-from core.components import SourcePrompt
-from core.records import RolloutGroup, Sample
+from pipeline.builders import build_components
 from tests.conftest import make_config, run_virtual
 
 
-def every_third_prompt_long(seed: int) -> Iterator[SourcePrompt]:
+def every_third_prompt_long(seed: int, start: int = 0) -> Iterator[TaskItem]:
     """Prompt i has 2 tokens, or 5 when i % 3 == 1."""
-    for i in range(1 << 30):
-        yield SourcePrompt(f"p{i}", [i % 50] * (5 if i % 3 == 1 else 2), answer=str(i))
+    for i in range(start, 1 << 30):
+        yield TaskItem(f"p{i}", [i % 50] * (5 if i % 3 == 1 else 2), answer=str(i))
 
 
 class Recording(FakeTrainEngine):
     def __init__(self) -> None:
         super().__init__(lambda: 0.0, lambda: 0.0)  # type: ignore[arg-type]
-        self.batches: list[list[RolloutGroup]] = []
+        self.batches: list[list[Trajectory]] = []
 
-    async def train_step(self, groups: Sequence[RolloutGroup]) -> dict[str, float]:
-        self.batches.append(list(groups))
-        return await super().train_step(groups)
+    async def train_step(self, batch: Sequence[Trajectory], objective: LossObjective) -> dict[str, float]:
+        self.batches.append(list(batch))
+        return await super().train_step(batch, objective)
 
 
 def test_a_prompt_over_the_budget_is_dropped_naming_it_and_its_slot_refilled() -> None:
     cfg = make_config(staleness={"max_staleness": 1})
-    components = build_fake_components(cfg)
+    components = build_components(cfg)
     components.prompts = every_third_prompt_long
     components.max_prompt_tokens = 3
     trainer = Recording()
@@ -43,9 +43,9 @@ def test_a_prompt_over_the_budget_is_dropped_naming_it_and_its_slot_refilled() -
     long_drops = [d for d in result.drops if d.prompt_id % 3 == 1]
     assert long_drops and len(long_drops) == len(result.drops)
     assert all(d.stage == "generate" and d.reason.startswith("prompt of 5 tokens is over the budget of 3") for d in long_drops)
-    trained = [g for batch in trainer.batches for g in batch]
-    assert len(trained) == cfg.run.max_steps * cfg.train.prompts_per_step  # every step full
-    assert all(len(g.group.prompt_ids) == 2 for g in trained)
+    trained = [s for batch in trainer.batches for s in batch]
+    assert len({s.prompt_id for s in trained}) == cfg.run.max_steps * cfg.train.prompts_per_step  # every step full
+    assert all(len(s.payload.prompt_ids) == 2 for s in trained)
     assert result.ledger["balanced"] and result.ledger["in_flight"] == 0
 
 
@@ -53,21 +53,21 @@ class BadReward:
     """Scores each sample by its place (2 samples per prompt): a float (not a RewardResult),
     NaN, a bool, or a good 1.0."""
 
-    async def score(self, samples: Sequence[Sample], answers: Sequence[str | None]) -> list[Any]:
+    async def score(self, samples: Sequence[Trajectory], groups: Sequence[PromptGroup]) -> list[Any]:
         kinds = [0.5, RewardResult(math.nan), RewardResult(True), RewardResult(1.0)]  # type: ignore[arg-type]
         return [kinds[(2 * s.prompt_id + s.index) % 4] for s in samples]
 
 
 def test_rewards_of_the_wrong_type_or_nan_fail_their_samples_and_the_run_goes_on() -> None:
     cfg = make_config(run={"max_steps": 2})
-    components = build_fake_components(cfg)
+    components = build_components(cfg)
     components.reward = BadReward()
     trainer = Recording()
     components.trainer = trainer
     result = run_virtual(AsyncTrainingFlow(cfg, components).run())
 
     assert len(result.steps) == 2
-    infos = {s.reward_info: s.reward for batch in trainer.batches for g in batch for s in g.samples}
+    infos = {s.reward_info: s.reward for batch in trainer.batches for s in batch}
     assert infos["invalid reward 0.5: not a RewardResult"] == 0.0
     assert infos["invalid reward nan"] == 0.0
     assert infos["invalid reward True"] == 0.0

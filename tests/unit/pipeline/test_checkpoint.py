@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from pipeline import AsyncTrainingFlow
 from core.checkpoint import CheckpointError, find_checkpoint, verify_checkpoint
 from core.config import TandemConfig
+from pipeline import AsyncTrainingFlow
 from pipeline.flow import CANCELLED_AT_SHUTDOWN, FlowResult
 from tests.conftest import make_config, run_virtual
 

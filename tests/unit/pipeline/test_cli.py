@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import structlog
 
+from core.config import load_config
 from pipeline import AsyncTrainingFlow
 from pipeline.cli import CONFIGS_DIR, main, summary_line
-from core.config import load_config
 from tests.conftest import make_config, run_virtual
 
 REPO = Path(__file__).resolve().parents[3]

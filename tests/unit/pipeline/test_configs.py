@@ -12,9 +12,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import pipeline.metrics
+from core.config import load_config
 from pipeline import AsyncTrainingFlow
 from pipeline.cli import CONFIGS_DIR
-from core.config import load_config
 from tests.conftest import make_config, run_virtual
 
 CONFIGS = sorted(CONFIGS_DIR.glob("*.yaml"))

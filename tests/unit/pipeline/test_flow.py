@@ -8,15 +8,19 @@ import time
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from engines.fake import FakeTrainEngine, build_fake_components
-from pipeline import AsyncTrainingFlow
 from core.components import Components
 from core.config import TandemConfig
-from core.records import RolloutGroup
+from core.protocols import LossObjective
+from core.records import Trajectory, TrajectoryGroup
+from engines.fake import FakeTrainEngine
+from pipeline import AsyncTrainingFlow
+from pipeline.builders import build_components
 from state_machines.base import StageError
+from state_machines.train import TrainStateMachine
 from tests.conftest import make_config, run_virtual
 
 
@@ -25,16 +29,33 @@ class RecordingTrainer(FakeTrainEngine):
 
     def __init__(self, inner: FakeTrainEngine) -> None:
         super().__init__(inner._step_latency, inner._logp_latency, inner._train_faults, inner._logp_faults)
-        self.batches: list[list[RolloutGroup]] = []
+        self.batches: list[list[Trajectory]] = []
 
-    async def train_step(self, groups: Sequence[RolloutGroup]) -> dict[str, float]:
-        metrics = await super().train_step(groups)  # a failed step trained nothing
-        self.batches.append(list(groups))
+    async def train_step(self, batch: Sequence[Trajectory], objective: LossObjective) -> dict[str, float]:
+        metrics = await super().train_step(batch, objective)  # a failed step trained nothing
+        self.batches.append(list(batch))
         return metrics
 
 
+class RecordingTrain(TrainStateMachine):
+    """The train role, remembering the group of every trajectory it hands the engine, so tests
+    can check group-level facts (step, admitted bound) of what the engine trained."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.group_of: dict[int, TrajectoryGroup] = {}
+
+    def advantages(self, batch: list[TrajectoryGroup]) -> list[Trajectory]:
+        self.group_of.update((g.prompt_id, g) for g in batch)
+        return super().advantages(batch)
+
+    def groups(self, trained: list[Trajectory]) -> list[TrajectoryGroup]:
+        """The groups of a trained batch, in the batch's order."""
+        return list({t.prompt_id: self.group_of[t.prompt_id] for t in trained}.values())
+
+
 def recording(config: TandemConfig) -> tuple[Components, RecordingTrainer]:
-    components = build_fake_components(config)
+    components = build_components(config)
     trainer = RecordingTrainer(components.trainer)  # type: ignore[arg-type]
     components.trainer = trainer
     return components, trainer
@@ -65,8 +86,8 @@ def test_k0_is_exactly_the_synchronous_schedule(tmp_path: Path) -> None:
     per_step = cfg.train.prompts_per_step
     # Step t trains exactly the t-th block of prompts, every token sampled with version t ...
     for t, batch in enumerate(trainer.batches):
-        assert sorted(g.prompt_id for g in batch) == list(range(t * per_step, (t + 1) * per_step))
-        assert {v for g in batch for s in g.samples for v in s.token_versions} == {t}
+        assert sorted({s.prompt_id for s in batch}) == list(range(t * per_step, (t + 1) * per_step))
+        assert {v for s in batch for v in s.versions} == {t}
     # ... and generation never runs while training does.
     trace = json.loads((tmp_path / "k0" / "trace.json").read_text())
     assert overlap(intervals(trace, "generate", "running"), intervals(trace, "train", "running")) == 0
@@ -85,7 +106,7 @@ def test_k1_overlaps_generation_with_training_within_the_bound(tmp_path: Path) -
     assert overlap(intervals(trace, "generate", "running"), intervals(trace, "train", "running")) > 0
     assert set(result.staleness_counts) <= {0, 1} and result.staleness_counts.get(1, 0) > 0
     for t, batch in enumerate(trainer.batches):
-        assert all(s.start_version >= t - 1 for g in batch for s in g.samples)
+        assert all(s.start_version >= t - 1 for s in batch)
 
 
 def test_k1_is_faster_than_sync_on_the_same_work() -> None:
@@ -115,7 +136,7 @@ def test_a_filter_stage_between_reward_and_train_drops_with_reasons_and_refills(
     )
     components, trainer = recording(cfg)
     result = run_virtual(AsyncTrainingFlow(cfg, components).run())
-    trained = [g.prompt_id for batch in trainer.batches for g in batch]
+    trained = [s.prompt_id for batch in trainer.batches for s in batch if s.index == 0]
     dropped = [d.prompt_id for d in result.drops]
     assert all(p % 2 == 0 for p in trained) and all(p % 2 == 1 for p in dropped)
     assert len(trained) == len(set(trained)) == cfg.run.max_steps * cfg.train.prompts_per_step

@@ -15,11 +15,11 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engines.fake import build_fake_components
-from pipeline import AsyncTrainingFlow
 from core.config import FAULT_ROLES
+from pipeline import AsyncTrainingFlow
+from pipeline.builders import build_components
 from tests.conftest import make_config, run_virtual
-from tests.unit.pipeline.test_flow import RecordingTrainer
+from tests.unit.pipeline.test_flow import RecordingTrain, RecordingTrainer
 
 latencies = st.fixed_dictionaries(
     {
@@ -71,6 +71,7 @@ def test_invariants_hold_under_random_timing_and_faults(
         flow={
             "stages": ["dataloader", "generate", "rollout", *stages, "train"],
             "micro_batch_size": micro_batch, "channel_capacity": capacity,
+            "custom_stages": {"train": "tests.unit.pipeline.test_flow:RecordingTrain"},
         },
         roles={role: policy for role in FAULT_ROLES},
         engines={
@@ -78,27 +79,30 @@ def test_invariants_hold_under_random_timing_and_faults(
             "logp_latency": logp, "reward_latency": reward, "sync_latency": sync, "faults": fault_specs,
         },
     )
-    components = build_fake_components(cfg)
+    components = build_components(cfg)
     trainer = RecordingTrainer(components.trainer)  # type: ignore[arg-type]
     components.trainer = trainer
-    result = run_virtual(AsyncTrainingFlow(cfg, components).run())
+    flow = AsyncTrainingFlow(cfg, components)
+    result = run_virtual(flow.run())
+    train = next(m for m in flow.machines if isinstance(m, RecordingTrain))
+    batches = [train.groups(batch) for batch in trainer.batches]
     failing = {role for role, spec in fault_specs.items() if spec["failure_rate"] > 0}
 
     # Staleness: every token of a group trained at step t was sampled at version >= t - k_admitted.
-    assert len(trainer.batches) == steps
-    for t, batch in enumerate(trainer.batches):
+    assert len(batches) == steps
+    for t, batch in enumerate(batches):
         assert len(batch) == prompts_per_step
         for group in batch:
             assert group.step == t
             assert 0 <= group.group.admitted_k <= k
-            for sample in group.samples:
+            for sample in group.trajectories:
                 assert sample.start_version >= t - group.group.admitted_k
-                assert sample.token_versions == sorted(sample.token_versions)
-                assert len(sample.token_versions) == len(sample.response_ids) == len(sample.behaviour_logprobs)
+                assert sample.versions == sorted(sample.versions)
+                assert len(sample.versions) == len(sample.payload.response_ids) == len(sample.behaviour_logprobs)
     # Backpressure: no channel ever exceeded its capacity.
     assert all(ch.max_depth <= ch.capacity for ch in result.channels.values())
     # Exactly once: trained once, or dropped with a reason; nothing in flight at the end.
-    trained = [g.prompt_id for batch in trainer.batches for g in batch]
+    trained = [g.prompt_id for batch in batches for g in batch]
     dropped = [d.prompt_id for d in result.drops]
     assert len(set(trained)) == len(trained)
     assert not set(trained) & set(dropped)
@@ -116,5 +120,5 @@ def test_invariants_hold_under_random_timing_and_faults(
     if not failing:
         assert not dropped
     if k == 0 and not dropped:
-        for t, batch in enumerate(trainer.batches):
+        for t, batch in enumerate(batches):
             assert sorted(g.prompt_id for g in batch) == list(range(t * prompts_per_step, (t + 1) * prompts_per_step))

@@ -14,6 +14,7 @@ from tests.conftest import merge
 STAGES = ["dataloader", "generate", "rollout", "logp", "reward", "train"]
 RAY: dict[str, Any] = {
     "engines": {"type": "torch"},
+    "task": {"name": "arithmetic"},
     "flow": {"stages": STAGES},
     "cluster": {"backend": "ray"},
 }
@@ -119,7 +120,7 @@ def test_ray_needs_the_torch_engines_and_restarts_need_role_retries_and_the_obje
 def test_the_ray_backend_without_ray_installed_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     import importlib.util
 
-    from engines.factory import build_components
+    from pipeline.builders import build_components
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ray" else real(name, *a))

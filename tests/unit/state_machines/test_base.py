@@ -6,13 +6,13 @@ import asyncio
 
 import pytest
 
-from engines.fake import build_fake_components
 from core.channel import open_channel
 from core.history import RunHistory
 from core.ledger import Ledger
-from core.records import PromptGroup
+from core.records import PromptGroup, TaskItem
 from core.staleness import StalenessGate, VersionClock
 from core.trace import TraceRecorder
+from pipeline.builders import build_components
 from state_machines.base import FlowServices, Stage, StageError, State, StateMachine
 from tests.conftest import make_config, run_virtual
 
@@ -21,7 +21,7 @@ def services(**roles: dict) -> FlowServices:
     cfg = make_config(roles=roles)
     clock = VersionClock()
     gate = StalenessGate(clock, 1, 4, 10, 100)
-    return FlowServices(cfg, clock, gate, Ledger(gate), build_fake_components(cfg), TraceRecorder(0.0, 1000), RunHistory())
+    return FlowServices(cfg, clock, gate, Ledger(gate), build_components(cfg), TraceRecorder(0.0, 1000), RunHistory())
 
 
 class Flaky(Stage[PromptGroup, PromptGroup]):
@@ -41,7 +41,7 @@ def admitted(svc: FlowServices, prompt_id: int) -> PromptGroup:
     slot = svc.gate.try_admit()
     assert slot is not None
     svc.ledger.admit(prompt_id, slot.step)
-    return PromptGroup(prompt_id, "p", [1], 1, step=slot.step)
+    return PromptGroup(prompt_id, TaskItem("p", [1]), 1, step=slot.step)
 
 
 async def run_one(stage: Stage, items: list[PromptGroup]) -> list[PromptGroup]:

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import pytest
 
-from engines.fake import FakeWeightSync, InjectedFault, build_fake_components
-from core.protocols import SyncReport
-from pipeline import AsyncTrainingFlow, FlowResult
 from core.config import ConfigError, TandemConfig
 from core.history import StepRecord
+from core.protocols import SyncReport
+from engines.fake import FakeWeightSync, InjectedFault
+from pipeline import AsyncTrainingFlow, FlowResult
+from pipeline.builders import build_components
 from state_machines.base import StageError
 from tests.conftest import make_config, run_virtual
 
@@ -47,7 +48,7 @@ def degrading_config(**extra: object) -> TandemConfig:
 def run_with_outage(cfg: TandemConfig, from_version: int, refusals: int) -> tuple[FlowResult, ScriptedSync, list]:
     """Run the flow through a sync outage; also return, per step, the ``tandem_degraded`` and
     ``tandem_staleness_bound`` gauges read when the step landed."""
-    components = build_fake_components(cfg)
+    components = build_components(cfg)
     sync = ScriptedSync(components.weight_sync, from_version, refusals)  # type: ignore[arg-type]
     components.weight_sync = sync
     gauges: list[tuple[int, float, float]] = []
@@ -95,7 +96,7 @@ def test_a_failed_sync_at_k0_is_retried_after_the_backoff_and_the_run_goes_on() 
         roles={"param_update": {"on_error": "drop", "retry_backoff_s": 0.5}},
         engines={"generation_latency": {"type": "constant", "mean_s": 1.0}},
     )
-    components = build_fake_components(cfg)
+    components = build_components(cfg)
     sync = ScriptedSync(components.weight_sync, from_version=2, refusals=3)  # type: ignore[arg-type]
     components.weight_sync = sync
     result = run_virtual(AsyncTrainingFlow(cfg, components).run())

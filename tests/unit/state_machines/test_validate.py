@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from engines.fake import build_fake_components
-from pipeline import AsyncTrainingFlow
 from core.config import ConfigError
 from core.history import StepRecord
+from pipeline import AsyncTrainingFlow
+from pipeline.builders import build_components
 from state_machines.base import StageError
 from state_machines.validate import VALIDATION_IDS
 from tests.conftest import make_config, run_virtual
@@ -35,7 +35,7 @@ def test_evaluations_run_every_n_versions_beside_training_and_are_tagged_with_th
     # Outside the training accounting: k = 0 still trains block t in step t, nothing else.
     per_step = cfg.train.prompts_per_step
     for t, batch in enumerate(trainer.batches):
-        assert sorted(g.prompt_id for g in batch) == list(range(t * per_step, (t + 1) * per_step))
+        assert sorted({s.prompt_id for s in batch}) == list(range(t * per_step, (t + 1) * per_step))
     assert result.ledger["balanced"] and result.ledger["admitted"] == cfg.run.max_steps * per_step
     assert result.staleness_counts == {0: cfg.run.max_steps * per_step}
     # Training was not paused for it: the train role ran while an evaluation was running.
@@ -65,7 +65,7 @@ def test_the_latest_evaluation_is_in_the_metrics() -> None:
 
 
 def test_the_held_out_set_is_the_same_every_time_and_never_the_training_stream() -> None:
-    components = build_fake_components(make_config())
+    components = build_components(make_config())
     assert components.held_out is not None
     first, again = components.held_out(16), components.held_out(16)
     assert first == again
@@ -76,7 +76,7 @@ def test_the_held_out_set_is_the_same_every_time_and_never_the_training_stream()
 
 def test_validation_without_held_out_prompts_fails_naming_the_setting() -> None:
     cfg = make_config(validation={"every_versions": 2})
-    components = build_fake_components(cfg)
+    components = build_components(cfg)
     components.held_out = None
     with pytest.raises(StageError, match="validation.every_versions is set but the engines provide no held-out"):
         run_virtual(AsyncTrainingFlow(cfg, components).run())
