@@ -40,6 +40,7 @@ class StepRecord:
     staleness_bound: int
     prompt_ids: list[int]
     train_metrics: dict[str, float] = field(default_factory=dict)
+    rollout_metrics: dict[str, float] = field(default_factory=dict)  # means of the trajectories' own metrics
 
     def to_json(self) -> dict[str, Any]:
         row = {"kind": "step", **asdict(self)}

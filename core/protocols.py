@@ -52,11 +52,16 @@ class SamplingParams:
 
 @dataclass(slots=True, frozen=True)
 class RolloutRequest:
-    """One trajectory to produce: sample ``index`` of ``group``, with its own sampling seed."""
+    """One trajectory to produce: sample ``index`` of ``group``, with its own sampling seed.
+
+    ``evaluation`` marks the held-out evaluation's requests (the validate role), which a
+    workload may serve differently from training's (an image workload denoises with more steps).
+    """
 
     group: PromptGroup
     index: int
     seed: int
+    evaluation: bool = False
 
     @property
     def prompt_id(self) -> int:

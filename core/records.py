@@ -138,6 +138,7 @@ class Trajectory:
     rewards: dict[str, float] | None = None  # each named reward before weighting
     reward_info: str = ""  # verifier detail, or the reason a reward failed
     advantage: float | None = None  # filled by the train role from the group's rewards
+    metrics: dict[str, float] | None = None  # the workload's own per-trajectory facts (turns, env seconds)
 
     @property
     def num_actions(self) -> int:

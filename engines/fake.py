@@ -202,6 +202,7 @@ class FakeRolloutEngine:
             finish_reason=FinishReason.STOP,
             payload=TokenPayload(group.prompt_ids, [token] * length, (group.answer or "") if right else "?"),
             resumed=ResumePolicy.KEEP_CACHE if versions[0] != versions[-1] else None,
+            metrics={"decode_s": end - start},
         )
 
     def _fill_slots(self) -> None:

@@ -15,7 +15,8 @@ Series (all prefixed ``tandem_``): ``policy_version{role}``, ``param_update_lag`
 in flight), ``staleness_bound`` (the k in force for admission), ``degraded`` (1 while failed
 weight syncs hold admission synchronous), ``sync_failures_total``, ``degradations_total``,
 ``validation_reward_mean``, ``validation_accuracy``, ``validation_version`` (the weight
-version the latest held-out evaluation ran on).
+version the latest held-out evaluation ran on), ``rollout_metric{name}`` (a workload's own
+per-trajectory metrics, e.g. turns per episode, averaged over the last step).
 """
 
 from __future__ import annotations
@@ -117,6 +118,8 @@ class FlowMetrics:
                                          registry=r)
         self.validation_version = Gauge("tandem_validation_version", "Weight version of the latest evaluation",
                                         registry=r)
+        self.rollout_metric = Gauge("tandem_rollout_metric", "Mean of a workload's per-trajectory metric, last step",
+                                    ["name"], registry=r)
         self._server: Any = None
 
     def observe_step(self, record: StepRecord) -> None:
@@ -129,6 +132,8 @@ class FlowMetrics:
         self.tokens_per_s.set(self._tokens / elapsed)
         self.reward.set(record.reward_mean)
         self.step.set(record.step + 1)
+        for name, value in record.rollout_metrics.items():
+            self.rollout_metric.labels(name).set(value)
 
     def observe_validation(self, record: ValidationRecord) -> None:
         self.validation_reward.set(record.reward_mean)

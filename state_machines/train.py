@@ -107,6 +107,7 @@ class TrainStateMachine(StateMachine):
                 staleness_bound=services.gate.k,
                 prompt_ids=[g.prompt_id for g in batch],
                 train_metrics=dict(metrics),
+                rollout_metrics=rollout_metrics(trajectories),
             )
         )
         if services.checkpoints is not None:
@@ -131,3 +132,14 @@ class TrainStateMachine(StateMachine):
             if not task.cancelled() and task.exception() is not None:
                 raise task.exception() from None  # type: ignore[misc]
             raise
+
+
+def rollout_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
+    """Each workload metric's mean over the trajectories that report it (turns, env seconds...)."""
+    sums: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    for trajectory in trajectories:
+        for key, value in (trajectory.metrics or {}).items():
+            sums[key] = sums.get(key, 0.0) + value
+            counts[key] = counts.get(key, 0) + 1
+    return {key: sums[key] / counts[key] for key in sorted(sums)}

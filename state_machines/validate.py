@@ -50,7 +50,7 @@ class ValidateStateMachine(StateMachine):
             raise ValueError(f"validation.prompts is {spec.prompts} but the held-out set has {len(prompts)}")
         seed = self.config.run.seed
         groups = [PromptGroup(VALIDATION_IDS + i, item, 1) for i, item in enumerate(prompts)]
-        requests = [RolloutRequest(g, 0, request_seed(seed, g.prompt_id, 0)) for g in groups]
+        requests = [RolloutRequest(g, 0, request_seed(seed, g.prompt_id, 0), evaluation=True) for g in groups]
         clock = self.services.clock
         target = 0
         while True:

@@ -57,10 +57,11 @@ def exported_series() -> set[str]:
     )
 
     async def scrape() -> str:
-        flow = AsyncTrainingFlow(config)
+        stepped = asyncio.Event()  # per-step series (reward, workload metrics) exist once a step landed
+        flow = AsyncTrainingFlow(config, on_step=lambda _: stepped.set())
         task = asyncio.ensure_future(flow.run())
-        while flow.metrics_port is None:
-            await asyncio.sleep(0.01)
+        await stepped.wait()
+        assert flow.metrics_port is not None
         url = f"http://127.0.0.1:{flow.metrics_port}/metrics"
         body = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=5).read().decode())
         await task
