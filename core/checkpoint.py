@@ -3,16 +3,16 @@
 A checkpoint is a folder ``run_dir/checkpoints/step_NNNNNNNN`` (N = the policy version) holding:
 
 - the trainer's state (weights, optimizer, LR schedule, version, its RNG), in files the train
-  engine writes itself (``TrainEngine.save_state``), so each backend keeps its own format;
+  engine writes itself (``TrainEngine.save_state``), so each backend keeps its own format, and
+  the reference model's weights the same way when the reference can save them (a resume then
+  needs no model file to rebuild it);
 - ``flow.json``: the version, the data position (the next prompt id never admitted), the
   ledger of in-flight work (prompts admitted but not trained or dropped: on resume they are
   generated again, under the staleness rule, rather than lost or trained twice), the trained
-  count and drop records so far, the Python RNG state, and the config values a resume must
-  agree with;
+  count and drop records so far, the weight syncs' record (failures, degraded or not: a run
+  saved while degraded resumes degraded), the Python RNG state, and the config values a resume
+  must agree with;
 - ``MANIFEST.json``: every other file's size and sha256, written last.
-
-The reference model is not saved: every engine builds it frozen from ``engines.model_path``,
-which a resume must keep (checked), so it cannot differ from what the run started with.
 
 Invariants:
 - a checkpoint folder appears whole or not at all: it is written under a ``.tmp-`` name, every
@@ -42,7 +42,8 @@ import structlog
 
 from core.config import ConfigError, TandemConfig
 from core.ledger import DropRecord, Ledger
-from core.protocols import TrainEngine
+from core.protocols import Checkpointable, LogProbEngine, TrainEngine
+from core.staleness import SyncHealth
 
 __all__ = [
     "CHECKPOINTS_DIR",
@@ -61,7 +62,8 @@ MANIFEST = "MANIFEST.json"
 FLOW_STATE = "flow.json"
 _PREFIX = "step_"
 _TMP = ".tmp-"
-FORMAT = 1
+FORMAT = 2
+_READS = (1, 2)  # format 1 had no sync record: it resumes with a fresh one
 # Config values whose change would make the saved data position or weights mean something else.
 _MUST_MATCH = (
     "run.seed", "train.prompts_per_step", "rollout.samples_per_prompt", "task.name", "task.data_path", "engines.type",
@@ -83,9 +85,13 @@ class FlowState:
     drops: list[DropRecord]
     python_rng: Any
     config: dict[str, Any]
+    syncs: SyncHealth
+    reference_saved: bool = False  # the reference model's weights are in the checkpoint too
 
     @classmethod
-    def capture(cls, version: int, ledger: Ledger, config: TandemConfig) -> FlowState:
+    def capture(
+        cls, version: int, ledger: Ledger, config: TandemConfig, syncs: SyncHealth, reference_saved: bool = False
+    ) -> FlowState:
         return cls(
             version=version,
             next_prompt_id=ledger.next_prompt_id,
@@ -94,6 +100,8 @@ class FlowState:
             drops=list(ledger.drops),
             python_rng=random.getstate(),
             config=_fingerprint(config),
+            syncs=SyncHealth(**asdict(syncs)),
+            reference_saved=reference_saved,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -101,8 +109,8 @@ class FlowState:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> FlowState:
-        if data.get("format") != FORMAT:
-            raise CheckpointError(f"{FLOW_STATE} has format {data.get('format')!r}; this tandem reads format {FORMAT}")
+        if data.get("format") not in _READS:
+            raise CheckpointError(f"{FLOW_STATE} has format {data.get('format')!r}; this tandem reads formats {list(_READS)}")
         rng_version, inner, gauss = data["python_rng"]
         return cls(
             version=data["version"],
@@ -112,6 +120,8 @@ class FlowState:
             drops=[DropRecord(**d) for d in data["drops"]],
             python_rng=(rng_version, tuple(inner), gauss),
             config=data["config"],
+            syncs=SyncHealth(**data.get("syncs", {})),
+            reference_saved=data.get("reference_saved", False),
         )
 
 
@@ -228,26 +238,34 @@ class Checkpointer:
     the newest ``keep`` checkpoints are kept, older ones removed once a newer one is committed.
     """
 
-    def __init__(self, config: TandemConfig, run_dir: Path, trainer: TrainEngine) -> None:
+    def __init__(
+        self, config: TandemConfig, run_dir: Path, trainer: TrainEngine, reference: LogProbEngine | None = None
+    ) -> None:
         self._config = config
         self.root = run_dir / CHECKPOINTS_DIR
         self._trainer = trainer
+        # Saved only if it can save itself (a frozen fake has nothing to save).
+        self._reference = reference if isinstance(reference, Checkpointable) else None
         self._save_steps = config.run.save_steps
         self._keep = config.run.keep_checkpoints
         self.last_version: int | None = None  # of the newest checkpoint this run wrote
 
-    async def after_step(self, version: int, ledger: Ledger) -> None:
+    async def after_step(self, version: int, ledger: Ledger, syncs: SyncHealth) -> None:
         """Called by the train role right after step ``version - 1`` is recorded."""
         if self._save_steps is not None and version % self._save_steps == 0:
-            await self.save(version, ledger)
+            await self.save(version, ledger, syncs)
 
-    async def save(self, version: int, ledger: Ledger) -> Path:
-        """Write a checkpoint of ``version`` with the ledger as it is now; returns its folder."""
-        state = FlowState.capture(version, ledger, self._config)  # before any await: one instant
+    async def save(self, version: int, ledger: Ledger, syncs: SyncHealth) -> Path:
+        """Write a checkpoint of ``version`` with the ledger and sync record as they are now;
+        returns its folder."""
+        # Before any await: one instant.
+        state = FlowState.capture(version, ledger, self._config, syncs, reference_saved=self._reference is not None)
         final = self.root / f"{_PREFIX}{version:08d}"
         tmp = self.root / f"{_TMP}{final.name}-{os.getpid()}"
         await asyncio.to_thread(self._prepare, tmp)
         await self._trainer.save_state(tmp)
+        if self._reference is not None:
+            await self._reference.save_state(tmp)
         if self._trainer.version != version:  # a bug in whoever called: the snapshot would be torn
             raise RuntimeError(f"checkpoint of version {version} found the trainer at version {self._trainer.version}")
         await asyncio.to_thread(self._commit, tmp, final, state)
@@ -285,7 +303,8 @@ class Checkpointer:
         return self.root if resume is True else Path(resume)
 
     async def restore(self, path: Path) -> FlowState:
-        """Load the trainer from the checkpoint at (or newest under) ``path``; return the flow state."""
+        """Load the trainer (and the reference, if saved) from the checkpoint at (or newest under)
+        ``path``; return the flow state."""
         folder = await asyncio.to_thread(find_checkpoint, path)
         state = FlowState.from_json(json.loads((folder / FLOW_STATE).read_text()))
         mine = _fingerprint(self._config)
@@ -296,6 +315,8 @@ class Checkpointer:
                 f"(checkpoint, now): {changed}; resume with the same ones"
             )
         await self._trainer.load_state(folder)
+        if state.reference_saved and self._reference is not None:
+            await self._reference.load_state(folder)
         random.setstate(state.python_rng)
         log.info("resumed", path=str(folder), version=state.version, in_flight=len(state.in_flight))
         return state

@@ -8,7 +8,9 @@ module imports neither torch nor ray, so a config can be validated anywhere.
 from __future__ import annotations
 
 import copy
+import difflib
 import math
+import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -399,6 +401,10 @@ class ParamSyncConfig(_Model):
     """Size of the buckets the trainer side writes into the dual buffer."""
     consume_bucket_mb: float = Field(64.0, gt=0)
     """Size of the pieces the rollout side loads between decode steps."""
+    give_up_after_failures: int = Field(100, ge=1)
+    """Failed syncs in a row (each after its retries) after which the run stops with an error
+    naming the last failure: with ``roles.param_update.on_error: drop`` a sync that never
+    succeeds would otherwise be retried forever."""
     load_mode: Literal["pause", "swap"] = "swap"
     """``swap``: load into a second weight set while generating, swap between two decode steps
     (stall <= one step); ``pause``: pause decoding, copy in place, resume."""
@@ -522,6 +528,13 @@ class ObservabilityConfig(_Model):
     """Show a progress bar (the CLI turns it on)."""
     write_run_dir: bool = True
     """Write metrics JSONL and the trace into the run folder."""
+    keep_steps: int = Field(1000, ge=1)
+    """Step and sync records kept in memory for the run's result (the most recent ones; the
+    whole run streams to ``metrics.jsonl``), so memory stays flat however long the run."""
+    trackers: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(default_factory=list)
+    """Experiment trackers the step, validation and mode rows also go to, each writing offline
+    into the run folder: ``tensorboard`` (needs the tensorboard package), ``wandb`` (offline
+    mode) and ``mlflow`` (a file store) when installed; none is required."""
 
 
 class TandemConfig(_Model):
@@ -596,6 +609,8 @@ class TandemConfig(_Model):
                 "run.save_steps and run.resume write checkpoints into the run folder: "
                 "set observability.write_run_dir=true"
             )
+        if not self.observability.write_run_dir and self.observability.trackers:
+            raise ValueError("observability.trackers write into the run folder: set observability.write_run_dir=true")
         return self
 
     def _check_cluster(self) -> None:
@@ -667,13 +682,44 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return out
 
 
+def _models_at(loc: tuple[Any, ...]) -> list[type[BaseModel]]:
+    """The config models a field path ends in (several for a union not yet resolved)."""
+    models: list[type[BaseModel]] = [TandemConfig]
+    for part in loc:
+        if isinstance(part, int):  # an item of a list: the same model(s)
+            continue
+        inner: list[type[BaseModel]] = []
+        for model in models:
+            field = model.model_fields.get(str(part))
+            if field is None:  # a discriminated union's tag: keep the member it names
+                inner += [model] if any(
+                    typing.get_args(f.annotation) == (part,) for f in model.model_fields.values()
+                ) else []
+                continue
+            args = typing.get_args(field.annotation) or (field.annotation,)
+            for arg in args:
+                for candidate in typing.get_args(arg) or (arg,):
+                    if isinstance(candidate, type) and issubclass(candidate, BaseModel):
+                        inner.append(candidate)
+        models = inner
+    return models
+
+
+def _closest_field(loc: tuple[Any, ...]) -> str | None:
+    """The known field closest to an unknown one at ``loc`` (a typo's likely intent), if any."""
+    names = {name for model in _models_at(loc[:-1]) for name in model.model_fields}
+    close = difflib.get_close_matches(str(loc[-1]), sorted(names), n=1, cutoff=0.6)
+    return ".".join(str(p) for p in (*loc[:-1], close[0])) if close else None
+
+
 def _format_error(err: ValidationError, source: str) -> str:
     lines = [f"invalid config ({source}):"]
     for e in err.errors():
         where = ".".join(str(p) for p in e["loc"]) or "(top level)"
         msg = e["msg"]
         if e["type"] == "extra_forbidden":
-            msg = "unknown field"
+            closest = _closest_field(tuple(e["loc"]))
+            msg = f"unknown field; did you mean {closest}?" if closest else "unknown field"
         elif e["type"] == "literal_error" and "expected" in e.get("ctx", {}):
             msg = f"must be one of {e['ctx']['expected']}"
         lines.append(f"  {where}: {msg} (got {e.get('input')!r})")

@@ -5,21 +5,21 @@ Prometheus metrics, the progress bar) are told of each. The validate role append
 :class:`ValidationRecord` per held-out evaluation, and the param_update role a
 :class:`ModeChange` whenever weight-sync failures degrade admission to synchronous or it
 recovers. ``metrics.jsonl`` gets one row per record, its ``kind`` saying which (``step``,
-``validation``, ``mode``). Rows are small and O(steps), so the history of a long run stays
-bounded by its step count.
+``validation``, ``mode``). Rows stream to the file; memory keeps bounded summaries only (see
+:class:`RunHistory`), so a run of any length holds the same few records.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ModeChange", "RunHistory", "StepRecord", "SyncRecord", "ValidationRecord"]
+__all__ = ["ModeChange", "RunHistory", "StepRecord", "SyncRecord", "ValidationRecord", "read_step_rows"]
 
 
 @dataclass(slots=True)
@@ -96,16 +96,35 @@ class ModeChange:
 
 
 class RunHistory:
-    """Steps and syncs of one run, with listeners and an optional JSONL file."""
+    """The run's records as they land: every row streams to ``metrics.jsonl`` (and to the row
+    listeners, e.g. experiment trackers), while memory keeps only bounded summaries.
 
-    def __init__(self, jsonl_path: Path | None = None, append: bool = False) -> None:
-        self.steps: list[StepRecord] = []
-        self.syncs: list[SyncRecord] = []
+    Invariant: what is kept in memory does not grow with the run's length: the most recent
+    ``keep`` step and sync records (the whole run is in the file), running totals, the staleness
+    histogram (bounded by the staleness bound) and the rewards of the first and last tenth of
+    ``max_steps`` steps (the summary's start and end). Validations and mode changes are kept
+    whole: one per evaluation interval or per degradation, not per step.
+    """
+
+    def __init__(
+        self, jsonl_path: Path | None = None, append: bool = False, *, keep: int = 1000, max_steps: int = 10
+    ) -> None:
+        if keep < 1 or max_steps < 1:
+            raise ValueError("keep and max_steps must be >= 1")
+        self.steps: deque[StepRecord] = deque(maxlen=keep)
+        self.syncs: deque[SyncRecord] = deque(maxlen=keep)
         self.validations: list[ValidationRecord] = []
         self.mode_changes: list[ModeChange] = []
         self.staleness_counts: Counter[int] = Counter()
+        self.total_steps = 0
+        self.samples = 0
+        self.tokens = 0
+        self._tenth = max(1, max_steps // 10)
+        self.first_rewards: list[float] = []  # of the first tenth of the steps
+        self.last_rewards: deque[float] = deque(maxlen=self._tenth)  # of the latest tenth
         self._listeners: list[Callable[[StepRecord], None]] = []
         self._validation_listeners: list[Callable[[ValidationRecord], None]] = []
+        self._row_listeners: list[Callable[[dict[str, Any]], None]] = []
         # append: a resumed run continues its file (``core.checkpoint.trim_metrics``).
         self._jsonl = jsonl_path.open("a" if append else "w") if jsonl_path is not None else None
 
@@ -115,9 +134,21 @@ class RunHistory:
     def on_validation(self, listener: Callable[[ValidationRecord], None]) -> None:
         self._validation_listeners.append(listener)
 
+    def on_row(self, listener: Callable[[dict[str, Any]], None]) -> None:
+        """Call ``listener(row)`` with every row written to ``metrics.jsonl`` (steps,
+        validations, mode changes), file or not."""
+        self._row_listeners.append(listener)
+
     def add(self, record: StepRecord) -> None:
         self.steps.append(record)
+        self.total_steps += 1
+        self.samples += record.samples
+        self.tokens += record.tokens
         self.staleness_counts.update(record.staleness)
+        if not math.isnan(record.reward_mean):
+            if len(self.first_rewards) < self._tenth:
+                self.first_rewards.append(record.reward_mean)
+            self.last_rewards.append(record.reward_mean)
         self._write(record.to_json())
         for listener in self._listeners:
             listener(record)
@@ -136,6 +167,8 @@ class RunHistory:
         if self._jsonl is not None:
             self._jsonl.write(json.dumps(row) + "\n")
             self._jsonl.flush()
+        for listener in self._row_listeners:
+            listener(row)
 
     def add_sync(self, version: int, metrics: dict[str, float]) -> None:
         self.syncs.append(SyncRecord(version, dict(metrics)))
@@ -144,3 +177,11 @@ class RunHistory:
         if self._jsonl is not None:
             self._jsonl.close()
             self._jsonl = None
+
+
+def read_step_rows(path: Path) -> list[dict[str, Any]]:
+    """The step rows of a ``metrics.jsonl`` (the whole run, whatever memory kept)."""
+    if not path.is_file():
+        return []
+    rows = (json.loads(line) for line in path.read_text().splitlines() if line.strip())
+    return [row for row in rows if row.get("kind") == "step"]

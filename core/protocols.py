@@ -24,6 +24,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 from core.records import PromptGroup, Trajectory
 
 __all__ = [
+    "Checkpointable",
     "GenerationRequest",
     "LogProbEngine",
     "LossObjective",
@@ -138,21 +139,27 @@ class LossObjective(Protocol):
 
 
 @runtime_checkable
-class TrainEngine(LogProbEngine, Protocol):
+class Checkpointable(Protocol):
+    """An engine whose state a resumable checkpoint holds (the trainer; a reference model)."""
+
+    async def save_state(self, folder: Path) -> None:
+        """Write everything a resume needs (weights, optimizer, schedule, version, RNG) as files
+        of names of its own into the existing ``folder``, after queued work; the checkpoint
+        manifests them."""
+        ...
+
+    async def load_state(self, folder: Path) -> None:
+        """Restore what ``save_state`` wrote into ``folder``; ``version`` is then the saved one."""
+        ...
+
+
+@runtime_checkable
+class TrainEngine(LogProbEngine, Checkpointable, Protocol):
     """Holds the trained policy; one ``train_step`` is one optimizer step (version + 1)."""
 
     async def train_step(self, batch: Sequence[Trajectory], objective: LossObjective) -> dict[str, float]:
         """One optimizer step on every trajectory of ``batch`` (each carrying its advantage),
         minimising ``objective``; returns the step's metrics."""
-        ...
-
-    async def save_state(self, folder: Path) -> None:
-        """Write everything a resume needs (weights, optimizer, schedule, version, RNG) as files
-        into the existing ``folder``, after queued work; the checkpoint manifests them."""
-        ...
-
-    async def load_state(self, folder: Path) -> None:
-        """Restore what ``save_state`` wrote into ``folder``; ``version`` is then the saved one."""
         ...
 
 

@@ -20,11 +20,14 @@ version ``t`` is loaded, which is exactly the synchronous schedule.
 A dropped group gives its slot back, so its step is refilled by a fresh prompt and the step
 still trains a full batch; no step is ever assigned more than ``prompts_per_step`` live groups.
 
-The bound *in force* may drop below the configured ``k`` while weight syncs fail (degraded,
-synchronous admission, see the param_update role) and come back when they succeed again. Each
-admission records the bound in force when it was granted, and a group is checked against
-that bound: since its samples start at versions ``>= w``, ``s - start <= s - w <= k_admitted``.
-Lowering the bound never invalidates a group already admitted under the higher one.
+The bound *in force* may drop below the configured ``k`` while weight syncs fail and come back
+when they succeed again: the gate owns this degradation. The param_update role reports each
+sync's outcome (:meth:`StalenessGate.sync_failed`, :meth:`StalenessGate.sync_succeeded`);
+after ``degrade_after`` failures in a row the bound in force becomes 0 (synchronous admission
+against the weights actually serving), after ``recover_after`` successes in a row it is ``k``
+again. Each admission records the bound in force when it was granted, and a group is checked
+against that bound: since its samples start at versions ``>= w``, ``s - start <= s - w <=
+k_admitted``. Lowering the bound never invalidates a group already admitted under the higher one.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-__all__ = ["Admission", "StalenessGate", "StalenessViolation", "VersionClock"]
+__all__ = ["Admission", "StalenessGate", "StalenessViolation", "SyncHealth", "VersionClock"]
 
 
 class StalenessViolation(RuntimeError):
@@ -94,11 +97,24 @@ class Admission:
     k: int
 
 
-class StalenessGate:
-    """Grants admission slots under the staleness rule and the concurrency cap.
+@dataclass(slots=True)
+class SyncHealth:
+    """The weight syncs' record as the gate keeps it (and a checkpoint saves it)."""
 
-    Owned by the flow; the generate role asks for slots, the train role completes them, and
-    any role that drops a group releases its slot.
+    failures: int = 0  # failed syncs over the run (each after its retries)
+    failures_in_a_row: int = 0
+    successes_in_a_row: int = 0
+    degraded: bool = False  # the bound in force is 0 because syncs keep failing
+    degradations: int = 0  # times admission went synchronous
+
+
+class StalenessGate:
+    """Grants admission slots under the staleness rule and the concurrency cap, and owns the bound
+    in force: the configured ``k``, or 0 while weight syncs keep failing.
+
+    Owned by the flow; the generate role asks for slots, the train role completes them, any
+    role that drops a group releases its slot, and the param_update role reports each sync.
+    ``degrade_after`` None never degrades.
     """
 
     def __init__(
@@ -108,13 +124,22 @@ class StalenessGate:
         prompts_per_step: int,
         max_steps: int,
         max_concurrent: int,
+        *,
+        degrade_after: int | None = None,
+        recover_after: int = 1,
     ) -> None:
         if max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
         if prompts_per_step < 1 or max_steps < 1 or max_concurrent < 1:
             raise ValueError("prompts_per_step, max_steps and max_concurrent must be >= 1")
+        if (degrade_after is not None and degrade_after < 1) or recover_after < 1:
+            raise ValueError("degrade_after and recover_after must be >= 1")
         self.clock = clock
-        self.k = max_staleness  # the bound in force; set_k changes it
+        self.configured_k = max_staleness
+        self.k = max_staleness  # the bound in force
+        self.degrade_after = degrade_after
+        self.recover_after = recover_after
+        self.syncs = SyncHealth()
         self.prompts_per_step = prompts_per_step
         self.max_steps = max_steps
         self.max_concurrent = max_concurrent
@@ -150,13 +175,46 @@ class StalenessGate:
         self.in_flight += 1
         return Admission(step=step, version=self.clock.loaded, k=self.k)
 
-    async def set_k(self, k: int) -> None:
-        """Put bound ``k`` in force for admissions from now on (groups already admitted keep the
-        bound they were admitted under); raising it may open slots, so waiters are woken."""
-        if k < 0:
-            raise ValueError(f"the staleness bound must be >= 0, got {k}")
+    @property
+    def degraded(self) -> bool:
+        return self.syncs.degraded
+
+    async def sync_failed(self) -> bool:
+        """Record a failed sync; True if this failure put the synchronous bound in force."""
+        health = self.syncs
+        health.failures += 1
+        health.failures_in_a_row += 1
+        health.successes_in_a_row = 0
+        if self.degrade_after is None or health.degraded or health.failures_in_a_row < self.degrade_after:
+            return False
+        await self._degrade(True)
+        return True
+
+    async def sync_succeeded(self) -> bool:
+        """Record a successful sync; True if this success restored the configured bound."""
+        health = self.syncs
+        health.failures_in_a_row = 0
+        health.successes_in_a_row += 1
+        if not health.degraded or health.successes_in_a_row < self.recover_after:
+            return False
+        await self._degrade(False)
+        return True
+
+    async def restore(self, health: SyncHealth) -> None:
+        """Continue a resumed run's sync record, degraded or not, as its checkpoint saved it."""
+        self.syncs = SyncHealth(**{f: getattr(health, f) for f in SyncHealth.__dataclass_fields__})
         async with self.clock.changed:
-            self.k = k
+            self.k = 0 if health.degraded else self.configured_k
+            self.clock.changed.notify_all()
+
+    async def _degrade(self, degraded: bool) -> None:
+        """Put the synchronous bound (or the configured one) in force for admissions from now on
+        (groups already admitted keep the bound they were admitted under); raising it may open
+        slots, so waiters are woken."""
+        self.syncs.degraded = degraded
+        self.syncs.degradations += degraded
+        async with self.clock.changed:
+            self.k = 0 if degraded else self.configured_k
             self.clock.changed.notify_all()
 
     async def release(self, step: int) -> None:

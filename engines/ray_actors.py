@@ -188,6 +188,12 @@ class ReferenceActor:
     async def logprobs(self, trajectories: Sequence[Trajectory]) -> list[list[float]]:
         return await self.engine.logprobs(trajectories)
 
+    async def save_state(self, folder: str) -> None:
+        await self.engine.save_state(Path(folder))
+
+    async def load_state(self, folder: str) -> None:
+        await self.engine.load_state(Path(folder))
+
 
 @ray.remote
 class RewardActor:

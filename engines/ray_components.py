@@ -233,6 +233,13 @@ class RayLogProbEngine:
     async def logprobs(self, trajectories: Sequence[Trajectory]) -> list[list[float]]:
         return await self.actor.call(self.actor.handle.logprobs.remote(list(trajectories)))
 
+    async def save_state(self, folder: Path) -> None:
+        """Written by the reference actor: ``folder`` must be on storage its node shares."""
+        await self.actor.call(self.actor.handle.save_state.remote(str(folder)))
+
+    async def load_state(self, folder: Path) -> None:
+        await self.actor.call(self.actor.handle.load_state.remote(str(folder)))
+
 
 class RayReward:
     """``Reward`` over the reward actor."""

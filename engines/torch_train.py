@@ -57,10 +57,11 @@ from param_sync import unique_weights
 if TYPE_CHECKING:
     from engines.torch_ddp import DataParallelRanks
 
-__all__ = ["TRAINER_STATE_FILE", "StepTotals", "TorchLogProbEngine", "TorchTrainEngine"]
+__all__ = ["REFERENCE_STATE_FILE", "TRAINER_STATE_FILE", "StepTotals", "TorchLogProbEngine", "TorchTrainEngine"]
 
 _T = TypeVar("_T")
-TRAINER_STATE_FILE = "trainer.pt"  # what save_state writes into a checkpoint folder
+TRAINER_STATE_FILE = "trainer.pt"  # what the trainer's save_state writes into a checkpoint folder
+REFERENCE_STATE_FILE = "reference.pt"  # what a frozen scorer's save_state writes there
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,6 +187,17 @@ class TorchLogProbEngine(_TorchModelEngine):
             thread_name="torch-logprob",
         )
         self._model.requires_grad_(False)
+
+    async def save_state(self, folder: Path) -> None:
+        """Write the weights into ``folder`` (``reference.pt``): a checkpoint then holds the
+        reference a run started with, whatever happens to the model files."""
+        state = {k: v.detach().cpu() for k, v in self._model.state_dict().items()}
+        await self._on_worker(torch.save, state, Path(folder) / REFERENCE_STATE_FILE)
+
+    async def load_state(self, folder: Path) -> None:
+        """Load the weights :meth:`save_state` wrote."""
+        state = torch.load(Path(folder) / REFERENCE_STATE_FILE, map_location="cpu", weights_only=True)
+        await self._on_worker(self._model.load_state_dict, state)
 
 
 class TorchTrainEngine(_TorchModelEngine):

@@ -22,6 +22,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from core.config import ConfigError, TandemConfig, load_config
 from core.history import StepRecord
+from engines.server.options import add_arguments as add_serve_arguments
 from pipeline.flow import AsyncTrainingFlow, FlowResult
 from pipeline.logs import configure_logging
 from state_machines.base import StageError
@@ -66,6 +67,10 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                      help="dotted overrides applied after the file, e.g. run.max_steps=5 staleness.max_staleness=0")
     run.add_argument("--no-progress", action="store_true", help="no progress bar (logs and summary only)")
+    serve = commands.add_parser("serve", help="serve a model's rollout engine behind sglang's HTTP API",
+                                description="The rollout engine in a process of its own, speaking sglang's native "
+                                "HTTP API (and OpenAI's /v1 completions) until SIGTERM or Ctrl-C.")
+    add_serve_arguments(serve)
     return parser
 
 
@@ -112,11 +117,9 @@ def summary_line(result: FlowResult) -> str:
     Start and end are the mean reward of the first and last tenth of the steps: one step's
     batch is too small (its prompts' difficulty varies) to say whether the policy improved.
     """
-    rewards = [s.reward_mean for s in result.steps]
-    tenth = max(1, len(rewards) // 10)
     reward = (
-        f"{sum(rewards[:tenth]) / tenth:.3f} -> {sum(rewards[-tenth:]) / tenth:.3f} (mean of first/last {tenth} steps)"
-        if rewards
+        f"{result.reward_first:.3f} -> {result.reward_last:.3f} (means of the first and last tenth of the steps)"
+        if result.reward_first is not None and result.reward_last is not None
         else "n/a"
     )
     staleness = ", ".join(f"{k}: {n}" for k, n in result.staleness_counts.items()) or "none"
@@ -130,7 +133,7 @@ def summary_line(result: FlowResult) -> str:
         else ""
     )
     return (
-        f"done: {len(result.steps)} steps in {result.wall_s:.2f}s, {result.samples_per_s:.1f} samples/s, "
+        f"done: {result.total_steps} steps in {result.wall_s:.2f}s, {result.samples_per_s:.1f} samples/s, "
         f"reward {reward}, staleness {{{staleness}}}, "
         f"ledger trained {result.ledger['trained']} dropped {result.ledger['dropped']}"
         f"{f' ({by_stage})' if by_stage else ''}, "
@@ -155,6 +158,11 @@ def main(argv: list[str] | None = None) -> int:
         args = _parser().parse_args(argv)
     except SystemExit as exit_:  # --help, or argparse's own usage error (code 2)
         return int(exit_.code or 0)
+    if args.command == "serve":
+        from engines.server.app import run as serve
+
+        configure_logging("console", "info")
+        return serve(args)
     # The bar is on by default from the command line; the user's own override still wins,
     # and --no-progress wins over both.
     overrides = ["observability.progress=true", *args.overrides]

@@ -1,17 +1,19 @@
 """AsyncTrainingFlow: one asyncio loop running a state machine per role over bounded channels.
 
 The flow owns everything shared: the version clock, the staleness gate, the ledger, the run
-history, the channels and the tasks. It builds the stage chain from config, supervises one task
-per state machine in a TaskGroup (the first failure cancels the rest and ``run()`` raises that
-one :class:`StageError`, naming the stage and its prompts), and stops when the train role has
-done ``max_steps``: every admitted group has then been trained or dropped, so cancelling the
-remaining tasks loses nothing. No task outlives ``run()``.
+history, the channels and the tasks. It builds the stage graph the config declares
+(:class:`~pipeline.graph.StageGraph`), supervises one task per state machine in a TaskGroup (the
+first failure cancels the rest and ``run()`` raises that one :class:`StageError`, naming the
+stage and its prompts), and stops when the graph's finishing role (train, after ``max_steps``)
+is done: every admitted group has then been trained or dropped, so cancelling the remaining
+tasks loses nothing. No task outlives ``run()``.
 
 Checkpoints (``core.checkpoint``): the train role writes one every ``run.save_steps``, the
 flow one at the end and one at a clean stop (cancellation, e.g. Ctrl-C), where the prompts in
 flight are saved to be generated again and recorded in this run's ledger as cancelled at
 shutdown. With ``run.resume`` the flow starts from a checkpoint: its version (clock and gate
-start there, so admission resumes within the bound), its data position and its ledger.
+start there, so admission resumes within the bound), its data position, its ledger and the
+weight syncs' record (a run saved while degraded resumes degraded).
 """
 
 from __future__ import annotations
@@ -19,27 +21,26 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import structlog
 
-from core.channel import BrokenChannel, ChannelStatistics, ReceiveChannel, SendChannel, open_channel
+from core.channel import BrokenChannel, ChannelStatistics, ReceiveChannel
 from core.checkpoint import Checkpointer, FlowState, trim_metrics
 from core.components import Components
 from core.config import TandemConfig
-from core.history import ModeChange, RunHistory, StepRecord, SyncRecord, ValidationRecord
+from core.history import ModeChange, RunHistory, StepRecord, SyncRecord, ValidationRecord, read_step_rows
 from core.ledger import DropRecord, Ledger
-from core.resources import colocated_groups
 from core.staleness import StalenessGate, VersionClock
 from core.trace import TraceRecorder
 from pipeline.builders import build_components
+from pipeline.graph import StageGraph
 from pipeline.metrics import FlowMetrics
 from pipeline.report import plot_run
+from pipeline.tracking import Tracker, open_trackers
 from state_machines.base import FlowServices, StageError, StateMachine
-from state_machines.registry import create_role_state_machine
-from state_machines.train import TrainStateMachine
 
 __all__ = ["AsyncTrainingFlow", "FlowResult", "RoleSummary"]
 
@@ -64,7 +65,11 @@ class RoleSummary:
 
 @dataclass(slots=True)
 class FlowResult:
-    """What a run did. Times are event-loop seconds (virtual under a virtual clock)."""
+    """What a run did. Times are event-loop seconds (virtual under a virtual clock).
+
+    ``steps`` and ``syncs`` are the most recent ``observability.keep_steps`` records (the whole
+    run is in ``metrics.jsonl``); the totals and the reward summary cover every step.
+    """
 
     steps: list[StepRecord]
     syncs: list[SyncRecord]
@@ -77,17 +82,35 @@ class FlowResult:
     wall_s: float
     channels: dict[str, ChannelStatistics]
     roles: dict[str, RoleSummary]
+    total_steps: int = 0
+    samples: int = 0
+    tokens: int = 0
+    reward_first: float | None = None  # mean reward of the first tenth of the steps
+    reward_last: float | None = None  # mean reward of the last tenth
     run_dir: Path | None = None
     metrics_port: int | None = None
     resumed_from_version: int | None = None  # the checkpoint's version, when the run resumed
 
     @property
     def samples_per_s(self) -> float:
-        return sum(s.samples for s in self.steps) / self.wall_s if self.wall_s > 0 else 0.0
+        return self.samples / self.wall_s if self.wall_s > 0 else 0.0
 
     @property
     def tokens_per_s(self) -> float:
-        return sum(s.tokens for s in self.steps) / self.wall_s if self.wall_s > 0 else 0.0
+        return self.tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+
+@dataclass(slots=True)
+class _Run:
+    """One run's shared objects, from its start to its report."""
+
+    services: FlowServices
+    components: Components
+    run_dir: Path | None
+    start_s: float
+    trackers: list[Tracker] = field(default_factory=list)
+    metrics: FlowMetrics | None = None
+    port: int | None = None
 
 
 class AsyncTrainingFlow:
@@ -113,91 +136,98 @@ class AsyncTrainingFlow:
         self.metrics: FlowMetrics | None = None  # the run's Prometheus registry, set while it runs
 
     async def run(self) -> FlowResult:
-        cfg = self.config
-        components = self._given_components or build_components(cfg)
-        loop = asyncio.get_running_loop()
-        start = loop.time()
-        run_dir = self._make_run_dir()
-        checkpoints = Checkpointer(cfg, run_dir, components.trainer) if run_dir is not None else None
-        resumed = await self._resume(checkpoints, components)
-        version = resumed.version if resumed is not None else 0
-        clock = VersionClock(trained=version, loaded=version)
-        gate = StalenessGate(clock, cfg.staleness.k, cfg.train.prompts_per_step, cfg.run.max_steps, cfg.max_concurrent)
-        ledger = Ledger(gate)
-        if resumed is not None:
-            ledger.restore(resumed.trained, resumed.drops, resumed.next_prompt_id)
-        services = FlowServices(
-            config=cfg, clock=clock, gate=gate, ledger=ledger, components=components,
-            trace=TraceRecorder(start, cfg.observability.trace_max_events, enabled=cfg.observability.trace),
-            history=RunHistory(run_dir / "metrics.jsonl" if run_dir else None, append=resumed is not None),
-            checkpoints=checkpoints, resumed=resumed,
-        )
-        self.machines = self._build_graph(services)
-        metrics = self.metrics = FlowMetrics(self.machines, self.channels, clock, services.ledger, gate, start)
-        services.history.on_step(metrics.observe_step)
-        services.history.on_validation(metrics.observe_validation)
-        if self._on_step is not None:
-            services.history.on_step(self._on_step)
-        port = metrics.serve(cfg.observability.metrics_port) if cfg.observability.metrics_port is not None else None
-        self.metrics_port = port
-        log.info("flow started", stages=cfg.flow.stages, k=cfg.staleness.k, max_steps=cfg.run.max_steps, metrics_port=port)
+        graph = StageGraph.from_config(self.config)
+        run = await self._open()
         cancelled = False
         try:
-            await self._supervise()
-            if checkpoints is not None and checkpoints.last_version != clock.trained:
-                await checkpoints.save(clock.trained, ledger)
-            if run_dir is not None and components.save_checkpoint is not None:
-                await components.save_checkpoint(run_dir / "checkpoint")
+            built = graph.build(run.services)
+            self.machines, self.channels = built.machines, built.channels
+            self._observe(run)
+            log.info("flow started", stages=graph.chain, k=self.config.staleness.k,
+                     max_steps=self.config.run.max_steps, metrics_port=run.port)
+            await self._supervise(run, graph.finishing_role)
+            await self._save_final(run)
         except asyncio.CancelledError:
             cancelled = True
-            await self._stop(services)
+            await self._stop(run)
         finally:
-            metrics.close()
-            self.metrics_port, self.metrics = None, None
-            services.history.close()
-            if self._given_components is None:
-                components.close()
-            if run_dir is not None and cfg.observability.trace:
-                services.trace.write(run_dir / "trace.json")
-        result = self._result(services, loop.time() - start, run_dir, port)
-        if run_dir is not None:
-            (run_dir / "summary.json").write_text(json.dumps(self._summary(result), indent=2))
-            plot_run(result.steps, run_dir / "progress.png")
+            self._close(run)
+        result = self._report(run)
         if cancelled:
             raise asyncio.CancelledError
-        log.info("flow finished", steps=len(result.steps), wall_s=round(result.wall_s, 3), **result.ledger)
+        log.info("flow finished", steps=result.total_steps, wall_s=round(result.wall_s, 3), **result.ledger)
         return result
 
-    async def _resume(self, checkpoints: Checkpointer | None, components: Components) -> FlowState | None:
-        """Restore the checkpoint ``run.resume`` names, if any: the trainer's state, then the
-        rollout engines' weights (they start from the base model). Closes the components the
-        flow built if that fails (a missing or damaged checkpoint raises ``CheckpointError``)."""
-        path = checkpoints.resume_path() if checkpoints is not None else None
-        if checkpoints is None or path is None:
-            return None
+    # ------------------------------------------------------------------ start
+
+    async def _open(self) -> _Run:
+        """Build (or take) the components, make the run folder, resume if asked, and set up the
+        shared objects: clock and gate at the resumed version, ledger, history, trace."""
+        cfg = self.config
+        components = self._given_components or build_components(cfg)
         try:
-            state = await checkpoints.restore(path)
-            if state.version > 0:
-                await components.weight_sync.sync(state.version)
+            loop = asyncio.get_running_loop()
+            run_dir = self._make_run_dir()
+            checkpoints = None
+            if run_dir is not None:
+                checkpoints = Checkpointer(cfg, run_dir, components.trainer, reference=components.reference)
+            resumed = await self._resume(checkpoints, components)
+            version = resumed.version if resumed is not None else 0
+            clock = VersionClock(trained=version, loaded=version)
+            gate = StalenessGate(
+                clock, cfg.staleness.k, cfg.train.prompts_per_step, cfg.run.max_steps, cfg.max_concurrent,
+                degrade_after=cfg.staleness.degrade_after_sync_failures, recover_after=cfg.staleness.recover_after_syncs,
+            )
+            ledger = Ledger(gate)
+            if resumed is not None:
+                ledger.restore(resumed.trained, resumed.drops, resumed.next_prompt_id)
+                await gate.restore(resumed.syncs)
+            history = RunHistory(
+                run_dir / "metrics.jsonl" if run_dir else None, append=resumed is not None,
+                keep=cfg.observability.keep_steps, max_steps=cfg.run.max_steps,
+            )
+            start = loop.time()
+            services = FlowServices(
+                config=cfg, clock=clock, gate=gate, ledger=ledger, components=components,
+                trace=TraceRecorder(start, cfg.observability.trace_max_events, enabled=cfg.observability.trace),
+                history=history, checkpoints=checkpoints, resumed=resumed,
+            )
         except BaseException:
             if self._given_components is None:
                 components.close()
             raise
+        return _Run(services, components, run_dir, start)
+
+    def _observe(self, run: _Run) -> None:
+        """Prometheus (served if asked), experiment trackers and the ``on_step`` listener."""
+        cfg, history = self.config, run.services.history
+        services = run.services
+        metrics = self.metrics = run.metrics = FlowMetrics(
+            self.machines, self.channels, services.clock, services.ledger, services.gate, run.start_s
+        )
+        history.on_step(metrics.observe_step)
+        history.on_validation(metrics.observe_validation)
+        if run.run_dir is not None:
+            run.trackers = open_trackers(cfg, run.run_dir)
+            for tracker in run.trackers:
+                history.on_row(tracker.log)
+        if self._on_step is not None:
+            history.on_step(self._on_step)
+        if cfg.observability.metrics_port is not None:
+            run.port = self.metrics_port = metrics.serve(cfg.observability.metrics_port)
+
+    async def _resume(self, checkpoints: Checkpointer | None, components: Components) -> FlowState | None:
+        """Restore the checkpoint ``run.resume`` names, if any: the trainer's (and reference's)
+        state, then the rollout engines' weights (they start from the base model). A missing or
+        damaged checkpoint raises ``CheckpointError``."""
+        path = checkpoints.resume_path() if checkpoints is not None else None
+        if checkpoints is None or path is None:
+            return None
+        state = await checkpoints.restore(path)
+        if state.version > 0:
+            await components.weight_sync.sync(state.version)
         trim_metrics(checkpoints.root.parent / "metrics.jsonl", state.version)
         return state
-
-    async def _stop(self, services: FlowServices) -> None:
-        """A clean stop (the flow was cancelled, e.g. Ctrl-C): checkpoint what is done, with the
-        prompts in flight (a resume generates them again), then record those prompts in this
-        run's ledger as cancelled at shutdown. Every role has stopped, and the train role
-        finished the step it had begun, so the trainer holds exactly the trained version."""
-        if services.checkpoints is not None:
-            try:
-                await services.checkpoints.save(services.clock.trained, services.ledger)
-            except Exception:  # stopping anyway: the previous checkpoint stands
-                log.exception("checkpoint at shutdown failed; the previous one stands")
-        for prompt_id in services.ledger.in_flight_ids():
-            await services.ledger.drop(prompt_id, "flow", CANCELLED_AT_SHUTDOWN)
 
     def _make_run_dir(self) -> Path | None:
         if not self.config.observability.write_run_dir:
@@ -206,73 +236,77 @@ class AsyncTrainingFlow:
         run_dir.mkdir(parents=True, exist_ok=True)
         return run_dir
 
-    def _locks(self) -> dict[str, asyncio.Lock]:
-        """One fair lock per colocated group. logp shares the trainer's weights, so it always
-        takes turns with train: a proximal score then never straddles an optimizer step."""
-        groups = colocated_groups(self.config)  # flow.colocate, plus roles sharing Ray devices
-        if "logp" in self.config.flow.stages and not any({"logp", "train"} <= g for g in groups):
-            merged = {"logp", "train"}.union(*[g for g in groups if g & {"logp", "train"}])
-            groups = [g for g in groups if not g & {"logp", "train"}] + [merged]
-        locks: dict[str, asyncio.Lock] = {}
-        for group in groups:
-            lock = asyncio.Lock()
-            locks.update({role: lock for role in group})
-        return locks
+    # ------------------------------------------------------------------ run
 
-    def _build_graph(self, services: FlowServices) -> list[StateMachine]:
-        cfg = self.config
-        stages = cfg.flow.stages
-        if "ref_logp" in stages and services.components.reference is None:
-            raise ValueError("flow.stages has ref_logp but the engines provide no reference model")
-        locks = self._locks()
-        inbox: ReceiveChannel[Any] | None = None
-        machines: list[StateMachine] = []
-        self.channels = []
-        for i, name in enumerate(stages):
-            outbox: SendChannel[Any] | None = None
-            next_inbox: ReceiveChannel[Any] | None = None
-            if i + 1 < len(stages):
-                outbox, next_inbox = open_channel(f"{name}->{stages[i + 1]}", cfg.flow.channel_capacity)
-                self.channels.append(next_inbox)
-            machines.append(create_role_state_machine(name, services, inbox=inbox, outbox=outbox, lock=locks.get(name)))
-            inbox = next_inbox
-        machines.append(create_role_state_machine("param_update", services, lock=locks.get("param_update")))
-        if cfg.validation.every_versions is not None:
-            machines.append(create_role_state_machine("validate", services, lock=locks.get("validate")))
-        return machines
-
-    async def _supervise(self) -> None:
-        """Run every machine; stop the rest when train is done; surface the first failure."""
+    async def _supervise(self, run: _Run, finishing_role: str) -> None:
+        """Run every machine; stop the rest when the finishing role is done; surface the first failure."""
         try:
             async with asyncio.TaskGroup() as tasks:
                 running = {m.name: tasks.create_task(m.run(), name=f"tandem:{m.name}") for m in self.machines}
                 # asyncio.wait, not await: a failure must surface once, from the group itself.
                 try:
-                    await asyncio.wait([running["train"]])
+                    await asyncio.wait([running[finishing_role]])
                 except asyncio.CancelledError:
                     # Cancelled from outside, not by a failed stage (the group cancels the
                     # roles only after this): a clean stop, so the train step in progress ends.
                     if not any(t.done() and not t.cancelled() and t.exception() for t in running.values()):
-                        for machine in self.machines:
-                            if isinstance(machine, TrainStateMachine):
-                                machine.finish_step_on_stop = True
+                        run.services.stopping_cleanly = True
                     raise
                 for task in running.values():
                     task.cancel()
         except BaseExceptionGroup as group:
             raise _root_cause(group) from None
 
-    def _result(self, services: FlowServices, wall_s: float, run_dir: Path | None, port: int | None) -> FlowResult:
-        return FlowResult(
-            steps=services.history.steps,
-            syncs=services.history.syncs,
-            validations=services.history.validations,
-            mode_changes=services.history.mode_changes,
+    # ------------------------------------------------------------------ end
+
+    async def _save_final(self, run: _Run) -> None:
+        """The end-of-run checkpoint (unless the last step wrote one) and the exported weights."""
+        services = run.services
+        checkpoints = services.checkpoints
+        if checkpoints is not None and checkpoints.last_version != services.clock.trained:
+            await checkpoints.save(services.clock.trained, services.ledger, services.gate.syncs)
+        if run.run_dir is not None and run.components.save_checkpoint is not None:
+            await run.components.save_checkpoint(run.run_dir / "checkpoint")
+
+    async def _stop(self, run: _Run) -> None:
+        """A clean stop (the flow was cancelled, e.g. Ctrl-C): checkpoint what is done, with the
+        prompts in flight (a resume generates them again), then record those prompts in this
+        run's ledger as cancelled at shutdown. Every role has stopped, and the train role
+        finished the step it had begun, so the trainer holds exactly the trained version."""
+        services = run.services
+        if services.checkpoints is not None:
+            try:
+                await services.checkpoints.save(services.clock.trained, services.ledger, services.gate.syncs)
+            except Exception:  # stopping anyway: the previous checkpoint stands
+                log.exception("checkpoint at shutdown failed; the previous one stands")
+        for prompt_id in services.ledger.in_flight_ids():
+            await services.ledger.drop(prompt_id, "flow", CANCELLED_AT_SHUTDOWN)
+
+    def _close(self, run: _Run) -> None:
+        if run.metrics is not None:
+            run.metrics.close()
+        self.metrics_port, self.metrics = None, None
+        run.services.history.close()
+        for tracker in run.trackers:
+            tracker.close()
+        if self._given_components is None:
+            run.components.close()
+        if run.run_dir is not None and self.config.observability.trace:
+            run.services.trace.write(run.run_dir / "trace.json")
+
+    def _report(self, run: _Run) -> FlowResult:
+        """The result, and in the run folder ``summary.json`` and ``progress.png``."""
+        services, history = run.services, run.services.history
+        result = FlowResult(
+            steps=list(history.steps),
+            syncs=list(history.syncs),
+            validations=history.validations,
+            mode_changes=history.mode_changes,
             ledger=services.ledger.summary(),
             drops=services.ledger.drops,
-            staleness_counts=dict(sorted(services.history.staleness_counts.items())),
+            staleness_counts=dict(sorted(history.staleness_counts.items())),
             final_version=services.clock.trained,
-            wall_s=wall_s,
+            wall_s=asyncio.get_running_loop().time() - run.start_s,
             channels={ch.name: ch.statistics() for ch in self.channels},
             roles={
                 m.name: RoleSummary(
@@ -282,30 +316,43 @@ class AsyncTrainingFlow:
                 )
                 for m in self.machines
             },
-            run_dir=run_dir,
-            metrics_port=port,
+            total_steps=history.total_steps,
+            samples=history.samples,
+            tokens=history.tokens,
+            reward_first=_mean(history.first_rewards),
+            reward_last=_mean(history.last_rewards),
+            run_dir=run.run_dir,
+            metrics_port=run.port,
             resumed_from_version=services.resumed.version if services.resumed is not None else None,
         )
+        if run.run_dir is not None:
+            (run.run_dir / "summary.json").write_text(json.dumps(_summary(result), indent=2))
+            plot_run(read_step_rows(run.run_dir / "metrics.jsonl"), run.run_dir / "progress.png")
+        return result
 
-    @staticmethod
-    def _summary(result: FlowResult) -> dict[str, Any]:
-        rewards = [s.reward_mean for s in result.steps]
-        return {
-            "steps": len(result.steps),
-            "final_version": result.final_version,
-            "wall_s": result.wall_s,
-            "samples_per_s": result.samples_per_s,
-            "tokens_per_s": result.tokens_per_s,
-            "reward_first": rewards[0] if rewards else None,
-            "reward_last": rewards[-1] if rewards else None,
-            "staleness_counts": result.staleness_counts,
-            "ledger": result.ledger,
-            "resumed_from_version": result.resumed_from_version,
-            "degradations": sum(m.degraded for m in result.mode_changes),
-            "validation": [{"version": v.version, "reward_mean": v.reward_mean, "accuracy": v.accuracy}
-                           for v in result.validations],
-            "roles_busy_fraction": {name: r.busy_fraction for name, r in result.roles.items()},
-        }
+
+def _mean(values: Any) -> float | None:
+    values = list(values)
+    return sum(values) / len(values) if values else None
+
+
+def _summary(result: FlowResult) -> dict[str, Any]:
+    return {
+        "steps": result.total_steps,
+        "final_version": result.final_version,
+        "wall_s": result.wall_s,
+        "samples_per_s": result.samples_per_s,
+        "tokens_per_s": result.tokens_per_s,
+        "reward_first": result.reward_first,
+        "reward_last": result.reward_last,
+        "staleness_counts": result.staleness_counts,
+        "ledger": result.ledger,
+        "resumed_from_version": result.resumed_from_version,
+        "degradations": sum(m.degraded for m in result.mode_changes),
+        "validation": [{"version": v.version, "reward_mean": v.reward_mean, "accuracy": v.accuracy}
+                       for v in result.validations],
+        "roles_busy_fraction": {name: r.busy_fraction for name, r in result.roles.items()},
+    }
 
 
 def _root_cause(group: BaseExceptionGroup) -> BaseException:

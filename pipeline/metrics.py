@@ -46,7 +46,6 @@ class _LiveCollector(Collector):
 
     def collect(self) -> Iterator[Any]:
         from state_machines.base import State
-        from state_machines.param_update import ParamUpdateStateMachine
 
         version = GaugeMetricFamily("tandem_policy_version", "Policy version each role last worked with", labels=["role"])
         state = GaugeMetricFamily("tandem_role_state", "1 for the state each role is in", labels=["role", "state"])
@@ -85,14 +84,13 @@ class _LiveCollector(Collector):
         yield GaugeMetricFamily("tandem_ledger_balanced", "1 while admitted = trained + dropped + in flight",
                                 value=float(self.ledger.balanced))
         yield GaugeMetricFamily("tandem_staleness_bound", "Staleness bound k in force for admission", value=self.gate.k)
-        sync = next((m for m in self.machines if isinstance(m, ParamUpdateStateMachine)), None)
-        if sync is not None:
-            yield GaugeMetricFamily("tandem_degraded", "1 while failed weight syncs hold admission synchronous",
-                                    value=float(sync.degraded))
-            yield CounterMetricFamily("tandem_sync_failures", "Weight syncs that failed after their retries",
-                                      value=sync.sync_failures)
-            yield CounterMetricFamily("tandem_degradations", "Times failed syncs degraded admission to synchronous",
-                                      value=sync.degradations)
+        syncs = self.gate.syncs
+        yield GaugeMetricFamily("tandem_degraded", "1 while failed weight syncs hold admission synchronous",
+                                value=float(syncs.degraded))
+        yield CounterMetricFamily("tandem_sync_failures", "Weight syncs that failed after their retries",
+                                  value=syncs.failures)
+        yield CounterMetricFamily("tandem_degradations", "Times failed syncs degraded admission to synchronous",
+                                  value=syncs.degradations)
 
 
 class FlowMetrics:

@@ -8,16 +8,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import structlog
-
-from core.history import StepRecord
 
 __all__ = ["plot_run"]
 
 
-def plot_run(steps: Sequence[StepRecord], path: Path) -> bool:
-    """Write the plot; False (and a log line) when matplotlib is missing or there are no steps."""
+def plot_run(steps: Sequence[dict[str, Any]], path: Path) -> bool:
+    """Plot the step rows of ``metrics.jsonl`` (the whole run) into ``path``."""
+    # False (and a log line) when matplotlib is missing or there are no steps.
     try:
         import matplotlib
 
@@ -28,9 +28,9 @@ def plot_run(steps: Sequence[StepRecord], path: Path) -> bool:
         return False
     if not steps:
         return False
-    x = [s.step + 1 for s in steps]
+    x = [s["step"] + 1 for s in steps]
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
-    rewards = [s.reward_mean for s in steps]
+    rewards = [s["reward_mean"] if s["reward_mean"] is not None else float("nan") for s in steps]
     top.plot(x, rewards, marker=".", color="tab:green", alpha=0.35, label="per step")
     # One step's batch is small, so its reward is noisy: the moving average shows the trend.
     window = max(1, min(10, len(rewards) // 5))
@@ -40,8 +40,8 @@ def plot_run(steps: Sequence[StepRecord], path: Path) -> bool:
     top.set_ylabel("mean reward")
     top.legend()
     top.grid(alpha=0.3)
-    bottom.plot(x, [sum(s.staleness) / len(s.staleness) for s in steps], marker=".", label="mean")
-    bottom.plot(x, [max(s.staleness) for s in steps], linestyle="--", label="max")
+    bottom.plot(x, [sum(s["staleness"]) / len(s["staleness"]) for s in steps], marker=".", label="mean")
+    bottom.plot(x, [max(s["staleness"]) for s in steps], linestyle="--", label="max")
     bottom.set_ylabel("staleness (versions)")
     bottom.set_xlabel("optimizer step")
     bottom.legend()

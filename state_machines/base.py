@@ -95,6 +95,9 @@ class FlowServices:
     history: RunHistory
     checkpoints: Checkpointer | None = None  # None: this run writes no resumable checkpoints
     resumed: FlowState | None = None  # the checkpoint this run continues, if any
+    # Set by the flow when it is cancelled from outside (Ctrl-C), not by a failed stage: a role
+    # that has begun a unit of work it must not abandon (a train step) finishes it first.
+    stopping_cleanly: bool = False
 
 
 def prompt_ids_of(items: Sequence[Any]) -> list[int]:

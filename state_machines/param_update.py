@@ -7,17 +7,16 @@ loading), then publishes the loaded version, which is what opens admission for l
 A failed sync (after the role's retries) leaves the old weights serving. ``on_error: fail``
 stops the flow. ``on_error: drop`` tolerates it: the role tries again as soon as a newer
 version is trained, or after ``retry_backoff_s`` if none is (at k = 0 none can be: training
-waits for this very load), so a failing sync never stalls the flow for good.
+waits for this very load), so a failing sync never stalls the flow for good; after
+``param_sync.give_up_after_failures`` failures in a row it stops the run with an error naming
+the last one, rather than retrying forever.
 
-Degradation (``staleness.degrade_after_sync_failures = N``): after N failed syncs in a row the
-bound in force for new admissions drops to 0, i.e. synchronous admission against the weights
-actually serving: step ``s`` is admitted only while ``s <= loaded``. Training goes on through
-every step already admitted (each group keeps, and is checked against, the bound it was
-admitted under), then waits for a sync to succeed; no sample is ever trained staler than the
-bound it was admitted under, and no generation is spent on weights that cannot be refreshed.
-After ``staleness.recover_after_syncs`` successful syncs in a row the configured k is back in
-force. Each change is logged as a warning, recorded in the history (``metrics.jsonl`` rows of
-kind ``mode``) and shown by the ``tandem_degraded`` and ``tandem_staleness_bound`` gauges.
+Each outcome is reported to the staleness gate, which owns degradation
+(``staleness.degrade_after_sync_failures``): while syncs keep failing it admits synchronously
+against the weights actually serving, and restores the configured bound once they succeed
+again. This role records each change of mode in the history (``metrics.jsonl`` rows of kind
+``mode``) and logs it as a warning; the ``tandem_degraded`` and ``tandem_staleness_bound``
+gauges read the gate.
 """
 
 from __future__ import annotations
@@ -29,17 +28,16 @@ from typing import Any
 from core.history import ModeChange
 from state_machines.base import State, StateMachine
 
-__all__ = ["ParamUpdateStateMachine"]
+__all__ = ["ParamUpdateStateMachine", "SyncGaveUpError"]
+
+
+class SyncGaveUpError(RuntimeError):
+    """Weight syncs failed too many times in a row; names the count and the last error."""
 
 
 class ParamUpdateStateMachine(StateMachine):
     role = "param_update"
 
-    sync_failures = 0  # failed syncs (after retries) over the run
-    failures_in_a_row = 0
-    successes_in_a_row = 0
-    degraded = False
-    degradations = 0  # times the flow went synchronous
     last_error = ""
 
     async def main(self) -> None:
@@ -62,7 +60,9 @@ class ParamUpdateStateMachine(StateMachine):
             self.version = report.version
             self.items_done += 1
             self.services.history.add_sync(report.version, report.metrics)
-            await self._succeeded()
+            gate = self.services.gate
+            if await gate.sync_succeeded():
+                self._mode_changed(f"{gate.syncs.successes_in_a_row} weight syncs in a row succeeded")
 
     async def drop(self, items: Sequence[Any], reason: str) -> None:
         """The error policy's ``drop`` for a sync: no prompts to drop, the old weights keep serving."""
@@ -70,12 +70,15 @@ class ParamUpdateStateMachine(StateMachine):
         self.log.warning("weight sync failed; old weights keep serving", loaded=self.version, error=reason)
 
     async def _failed(self, target: int) -> None:
-        self.sync_failures += 1
-        self.failures_in_a_row += 1
-        self.successes_in_a_row = 0
-        limit = self.config.staleness.degrade_after_sync_failures
-        if limit is not None and not self.degraded and self.failures_in_a_row >= limit:
-            await self._set_degraded(True, f"{self.failures_in_a_row} weight syncs in a row failed: {self.last_error}")
+        gate = self.services.gate
+        if await gate.sync_failed():
+            self._mode_changed(f"{gate.syncs.failures_in_a_row} weight syncs in a row failed: {self.last_error}")
+        limit = self.config.param_sync.give_up_after_failures
+        if gate.syncs.failures_in_a_row >= limit:
+            raise SyncGaveUpError(
+                f"{gate.syncs.failures_in_a_row} weight syncs in a row failed (param_sync.give_up_after_failures="
+                f"{limit}); the last: {self.last_error}"
+            )
         # Next attempt: at once for a newer version, else after the backoff (the same one may now work).
         self.set_state(State.PAUSED)
         try:
@@ -83,23 +86,13 @@ class ParamUpdateStateMachine(StateMachine):
         except TimeoutError:
             pass
 
-    async def _succeeded(self) -> None:
-        self.failures_in_a_row = 0
-        self.successes_in_a_row += 1
-        if self.degraded and self.successes_in_a_row >= self.config.staleness.recover_after_syncs:
-            await self._set_degraded(False, f"{self.successes_in_a_row} weight syncs in a row succeeded")
-
-    async def _set_degraded(self, degraded: bool, reason: str) -> None:
+    def _mode_changed(self, reason: str) -> None:
         services = self.services
-        k = 0 if degraded else self.config.staleness.k
-        await services.gate.set_k(k)
-        self.degraded = degraded
-        self.degradations += degraded
-        clock = services.clock
+        gate, clock = services.gate, services.clock
         services.history.add_mode_change(
-            ModeChange(asyncio.get_running_loop().time(), degraded, k, clock.loaded, clock.trained, reason)
+            ModeChange(asyncio.get_running_loop().time(), gate.degraded, gate.k, clock.loaded, clock.trained, reason)
         )
-        if degraded:
-            self.log.warning("degraded to synchronous admission", staleness_bound=k, reason=reason)
+        if gate.degraded:
+            self.log.warning("degraded to synchronous admission", staleness_bound=gate.k, reason=reason)
         else:
-            self.log.warning("back to asynchronous admission", staleness_bound=k, reason=reason)
+            self.log.warning("back to asynchronous admission", staleness_bound=gate.k, reason=reason)

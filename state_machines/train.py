@@ -32,8 +32,6 @@ __all__ = ["TrainStateMachine"]
 class TrainStateMachine(StateMachine):
     role = "train"
 
-    finish_step_on_stop = False  # set by the flow when it stops cleanly (not on a stage failure)
-
     def __init__(self, name: str, services: FlowServices, **channels: object) -> None:
         super().__init__(name, services, **channels)  # type: ignore[arg-type]
         self.objective = PolicyObjective(services.config.algorithm)
@@ -111,7 +109,7 @@ class TrainStateMachine(StateMachine):
             )
         )
         if services.checkpoints is not None:
-            await services.checkpoints.after_step(version, services.ledger)
+            await services.checkpoints.after_step(version, services.ledger, services.gate.syncs)
         return True
 
     async def _finish_on_clean_stop(self, step: Coroutine[Any, Any, bool]) -> bool:
@@ -126,7 +124,7 @@ class TrainStateMachine(StateMachine):
         try:
             return await asyncio.shield(task)
         except asyncio.CancelledError:
-            if not self.finish_step_on_stop:
+            if not self.services.stopping_cleanly:
                 task.cancel()
             await asyncio.wait([task])
             if not task.cancelled() and task.exception() is not None:

@@ -4,6 +4,7 @@ prompts generated again and trained once, a clean stop, damaged checkpoints, bad
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 from collections import Counter
 from pathlib import Path
@@ -158,3 +159,44 @@ def test_resume_from_another_runs_checkpoint_path(tmp_path: Path) -> None:
     assert result.resumed_from_version == 2 and [s.step for s in result.steps] == [2]
     assert checkpoints(tmp_path, "b") == ["step_00000003"]
     assert find_checkpoint(tmp_path / "b") == tmp_path / "b" / "checkpoints" / "step_00000003"  # a run folder will do
+
+
+def test_a_run_saved_while_degraded_resumes_degraded(tmp_path: Path) -> None:
+    # Every sync fails: the first failure degrades admission to synchronous, and the run stops
+    # (cleanly) while still degraded. The resumed run (its syncs now healthy) starts degraded,
+    # not at the configured k, and recovers on its first good sync.
+    sections: dict[str, Any] = {
+        "run": {"output_dir": str(tmp_path), "name": "d", "max_steps": 8},
+        "staleness": {"max_staleness": 2, "degrade_after_sync_failures": 1},
+        "roles": {"param_update": {"on_error": "drop", "retry_backoff_s": 0.5}},
+        "observability": {"write_run_dir": True, "trace": False},
+    }
+    stop_mid_run(make_config(**sections, engines={"faults": {"param_update": {"failure_rate": 1.0}}}), after_s=15.0)
+    [saved] = (tmp_path / "d" / "checkpoints").iterdir()
+    syncs = flow_state(saved)["syncs"]
+    assert syncs["degraded"] and syncs["degradations"] == 1 and syncs["failures"] >= 1
+
+    sections["run"]["resume"] = True
+    result = run_virtual(AsyncTrainingFlow(make_config(**sections)).run())
+    [recovered] = result.mode_changes
+    assert not recovered.degraded and recovered.staleness_bound == 2 and "succeeded" in recovered.reason
+    assert result.ledger["balanced"] and result.final_version == 8
+
+
+def test_a_checkpoint_of_format_1_resumes_with_a_fresh_sync_record(tmp_path: Path) -> None:
+    cfg = config(tmp_path, max_steps=3)
+    run_virtual(AsyncTrainingFlow(cfg).run())
+    [saved] = (tmp_path / "r" / "checkpoints").iterdir()
+    state = flow_state(saved)
+    del state["syncs"], state["reference_saved"]
+    state["format"] = 1
+    (saved / "flow.json").write_text(json.dumps(state))
+    (saved / "MANIFEST.json").unlink()  # re-manifest the edited file, as format 1 wrote it
+    files = {p.name: p for p in saved.iterdir()}
+    manifest = {"format": 1, "version": 3, "files": {
+        name: {"size": p.stat().st_size, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()} for name, p in files.items()
+    }}
+    (saved / "MANIFEST.json").write_text(json.dumps(manifest))
+    later = config(tmp_path, max_steps=5, resume=True)
+    result = run_virtual(AsyncTrainingFlow(later).run())
+    assert result.resumed_from_version == 3 and result.final_version == 5 and result.ledger["balanced"]

@@ -67,6 +67,7 @@ def test_an_unknown_override_key_exits_2_naming_the_field(capsys: pytest.Capture
     assert main(["run", "sim_k1", "run.max_stpes=2", *QUIET]) == 2
     out, err = capsys.readouterr()
     assert "run.max_stpes" in err and "unknown field" in err
+    assert "did you mean run.max_steps?" in err  # the closest valid key
     assert "Traceback" not in err and not out
 
 

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from core.config import ConfigError, validate_config
-from core.staleness import StalenessGate, StalenessViolation, VersionClock
+from core.staleness import StalenessGate, StalenessViolation, SyncHealth, VersionClock
 from tests.conftest import run_virtual
 
 
@@ -91,19 +91,42 @@ def test_check_reports_staleness_and_refuses_over_the_bound_the_group_was_admitt
 
 def test_a_lowered_bound_holds_new_admissions_and_raising_it_wakes_them() -> None:
     async def scenario() -> None:
-        g = gate(k=1, per_step=1)
+        g = StalenessGate(VersionClock(), 1, 1, 100, 100, degrade_after=2, recover_after=2)
         first = g.try_admit()
         assert first is not None and (first.step, first.k) == (0, 1)
-        await g.set_k(0)  # degraded: step 1 now needs version 1 loaded
-        assert g.try_admit() is None
+        assert not await g.sync_failed()  # one failure: still k = 1
+        assert await g.sync_failed()  # two in a row: degraded, step 1 now needs version 1 loaded
+        assert g.degraded and g.k == 0 and g.try_admit() is None
         waiter = asyncio.ensure_future(g.admit())
+        assert not await g.sync_succeeded()  # one success: not yet
         await asyncio.sleep(1)
         assert not waiter.done()
-        await g.set_k(1)  # recovered: step 1 is within loaded 0 + 1 again
+        assert await g.sync_succeeded()  # recovered: step 1 is within loaded 0 + 1 again
         admission = await asyncio.wait_for(waiter, 1)
         assert (admission.step, admission.version, admission.k) == (1, 0, 1)
-        with pytest.raises(ValueError, match=">= 0"):
-            await g.set_k(-1)
+        assert (g.syncs.failures, g.syncs.degradations, g.degraded) == (2, 1, False)
+
+    run_virtual(scenario())
+
+
+def test_a_gate_that_never_degrades_only_counts_failures() -> None:
+    async def scenario() -> None:
+        g = gate(k=1, per_step=1)
+        for _ in range(5):
+            assert not await g.sync_failed()
+        assert (g.k, g.degraded, g.syncs.failures, g.syncs.failures_in_a_row) == (1, False, 5, 5)
+        await g.sync_succeeded()
+        assert g.syncs.failures_in_a_row == 0
+
+    run_virtual(scenario())
+
+
+def test_a_restored_record_puts_its_bound_back_in_force() -> None:
+    async def scenario() -> None:
+        g = StalenessGate(VersionClock(), 2, 1, 100, 100, degrade_after=1)
+        await g.restore(SyncHealth(failures=3, failures_in_a_row=1, degraded=True, degradations=1))
+        assert (g.k, g.degraded, g.syncs.failures) == (0, True, 3)
+        assert await g.sync_succeeded() and g.k == 2
 
     run_virtual(scenario())
 

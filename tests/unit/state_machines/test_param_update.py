@@ -116,6 +116,19 @@ def test_a_failed_sync_with_on_error_fail_stops_the_run_naming_param_update() ->
         run_virtual(AsyncTrainingFlow(cfg).run())
 
 
+def test_a_sync_that_keeps_failing_gives_up_naming_the_count_and_the_last_error() -> None:
+    cfg = make_config(
+        run={"max_steps": 50},
+        roles={"param_update": {"on_error": "drop", "retry_backoff_s": 0.5}},
+        param_sync={"give_up_after_failures": 4},
+        engines={"faults": {"param_update": {"failure_rate": 1.0}}},
+    )
+    flow = AsyncTrainingFlow(cfg)
+    with pytest.raises(StageError, match=r"stage 'param_update'.*4 weight syncs in a row failed .*give_up_after_failures=4.*"
+                                         r"injected param_update fault #4"):
+        run_virtual(flow.run())
+
+
 @pytest.mark.parametrize(
     ("sections", "message"),
     [
