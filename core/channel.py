@@ -175,6 +175,18 @@ class SendChannel(Generic[T]):
             await s.wait(s.senders)
         s.append(item)
 
+    def try_send(self, item: T) -> bool:
+        """Put one item if there is room now (True), without waiting; False if the channel is
+        full. Raises as ``send`` does on a closed or broken channel."""
+        s = self._s
+        s.check_not_broken()
+        if s.closed:
+            raise ChannelClosed(f"send on closed channel {s.name!r}")
+        if len(s.buffer) >= s.capacity:
+            return False
+        s.append(item)
+        return True
+
     async def send_many(self, items: Iterable[T]) -> None:
         """Put items in order; each waits for room as ``send`` does, so capacity still holds."""
         s = self._s

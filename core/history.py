@@ -149,7 +149,8 @@ class RunHistory:
             if len(self.first_rewards) < self._tenth:
                 self.first_rewards.append(record.reward_mean)
             self.last_rewards.append(record.reward_mean)
-        self._write(record.to_json())
+        if self._jsonl is not None or self._row_listeners:  # the row costs a deep copy: only if read
+            self._write(record.to_json())
         for listener in self._listeners:
             listener(record)
 

@@ -35,6 +35,7 @@ from core.task import RewardFunction
 __all__ = ["TaskReward", "resolve_function"]
 
 Verdict = tuple[float, bool, str]  # (value, ok, why it failed)
+_NO_CONTEXT: dict[str, Any] = {}
 CONTEXT_KEYS = ("prompt", "meta", "trajectory")  # what a function may declare beyond (response, answer)
 
 
@@ -73,15 +74,19 @@ def _verdict(value: Any) -> Verdict:
 async def _call_each(fn: Callable[..., Any], responses: list[Any], answers: list[str | None],
                      contexts: list[dict[str, Any]]) -> list[Verdict]:
     out: list[Verdict] = []
+    awaited = inspect.iscoroutinefunction(fn)
     for response, answer, context in zip(responses, answers, contexts, strict=True):
         try:
             value = fn(response, answer, **context)
-            if inspect.isawaitable(value):
+            if awaited or inspect.isawaitable(value):
                 value = await value
         except Exception as exc:
             out.append((0.0, False, f"raised {type(exc).__name__}: {exc}"))
             continue
-        out.append(_verdict(value))
+        if type(value) is float and math.isfinite(value):  # the common case, decided at once
+            out.append((value, True, ""))
+        else:
+            out.append(_verdict(value))
     return out
 
 
@@ -130,7 +135,10 @@ class TaskReward:
         verdicts: dict[str, list[Verdict]] = {}
         for function in self.functions:
             wanted = self._context[function.name]
-            contexts = [_context(wanted, t, g) for t, g in zip(trajectories, groups, strict=True)]
+            if wanted:
+                contexts = [_context(wanted, t, g) for t, g in zip(trajectories, groups, strict=True)]
+            else:
+                contexts = [_NO_CONTEXT] * len(trajectories)  # one shared empty mapping, never written
             if function.runner == "inline":
                 verdicts[function.name] = await _call_each(self._inline[function.name], responses, answers, contexts)
             else:
@@ -138,6 +146,9 @@ class TaskReward:
         return [self._combine(verdicts, i) for i in range(len(trajectories))]
 
     def _combine(self, verdicts: dict[str, list[Verdict]], i: int) -> RewardResult:
+        if len(self.functions) == 1:  # one function: its verdict is the result
+            value, ok, info = verdicts[self.functions[0].name][i]
+            return RewardResult(value) if ok else RewardResult(0.0, ok=False, info=f"{self.functions[0].name} {info}")
         components: dict[str, float] = {}
         failures: list[str] = []
         total = 0.0

@@ -19,6 +19,7 @@ weight syncs' record (a run saved while degraded resumes degraded).
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -139,6 +140,10 @@ class AsyncTrainingFlow:
         graph = StageGraph.from_config(self.config)
         run = await self._open()
         cancelled = False
+        # Everything built so far (engines, models, config, modules) lives as long as the run:
+        # frozen, the cyclic collector's full passes stop re-scanning it. Measured on the fake
+        # engines: those passes were about a fifth of the flow's own CPU time.
+        gc.freeze()
         try:
             built = graph.build(run.services)
             self.machines, self.channels = built.machines, built.channels
@@ -151,6 +156,7 @@ class AsyncTrainingFlow:
             cancelled = True
             await self._stop(run)
         finally:
+            gc.unfreeze()
             self._close(run)
         result = self._report(run)
         if cancelled:

@@ -134,7 +134,9 @@ class GenerateStateMachine(StateMachine):
             # Only what has not been delivered yet: a retry never duplicates a trajectory.
             async for trajectory in workflow.rollout(list(todo.values())):
                 del todo[(trajectory.prompt_id, trajectory.index)]
-                await self.outbox.send(Generation(by_id[trajectory.prompt_id], trajectory))
+                generation = Generation(by_id[trajectory.prompt_id], trajectory)
+                if not self.outbox.try_send(generation):  # no coroutine per item while there is room
+                    await self.outbox.send(generation)
                 self.items_done += 1
                 missing[trajectory.prompt_id] -= 1
                 if not missing[trajectory.prompt_id]:
