@@ -9,7 +9,9 @@ Failure isolation: each sample is guarded on its own. A function that raises, re
 that is not a finite number (or a ``RewardResult``), or, in the pool, hangs or kills its worker
 past ``timeout_s`` fails that sample only, with the reason recorded: the sample scores 0 and is
 marked failed; the run goes on. A pool call that times out replaces the pool and scores the
-batch again one sample at a time, each under the same timeout, so only the culprit fails.
+batch again one sample at a time, each under the same timeout, so only the culprit fails. The
+timeout bounds scoring alone: a new worker first starts and imports the reward functions (seconds
+on a loaded machine), bounded separately.
 
 ``multiprocessing.Pool`` rather than ``concurrent.futures``: it can be terminated, which a hung
 worker needs. The ``spawn`` start method keeps the workers free of the trainer's threads.
@@ -35,6 +37,7 @@ from core.task import RewardFunction
 __all__ = ["TaskReward", "resolve_function"]
 
 Verdict = tuple[float, bool, str]  # (value, ok, why it failed)
+_STARTUP_TIMEOUT_S = 120.0  # a new worker process starts and imports the reward functions within this
 _NO_CONTEXT: dict[str, Any] = {}
 CONTEXT_KEYS = ("prompt", "meta", "trajectory")  # what a function may declare beyond (response, answer)
 
@@ -88,6 +91,12 @@ async def _call_each(fn: Callable[..., Any], responses: list[Any], answers: list
         else:
             out.append(_verdict(value))
     return out
+
+
+def _import_functions(paths: tuple[str, ...]) -> None:
+    """Runs in a new worker process: import every pool function before any is timed."""
+    for path in paths:
+        resolve_function(path)
 
 
 def _score_in_worker(path: str, responses: list[Any], answers: list[str | None],
@@ -146,9 +155,10 @@ class TaskReward:
         return [self._combine(verdicts, i) for i in range(len(trajectories))]
 
     def _combine(self, verdicts: dict[str, list[Verdict]], i: int) -> RewardResult:
-        if len(self.functions) == 1:  # one function: its verdict is the result
-            value, ok, info = verdicts[self.functions[0].name][i]
-            return RewardResult(value) if ok else RewardResult(0.0, ok=False, info=f"{self.functions[0].name} {info}")
+        if len(self.functions) == 1:  # one function: its weighted verdict is the result
+            only = self.functions[0]
+            value, ok, info = verdicts[only.name][i]
+            return RewardResult(only.weight * value) if ok else RewardResult(0.0, ok=False, info=f"{only.name} {info}")
         components: dict[str, float] = {}
         failures: list[str] = []
         total = 0.0
@@ -162,9 +172,20 @@ class TaskReward:
             return RewardResult(0.0, ok=False, info="; ".join(failures), components=components)
         return RewardResult(total, components=components if len(self.functions) > 1 else None)
 
-    def _ensure_pool(self) -> multiprocessing.pool.Pool:
+    async def _ensure_pool(self) -> multiprocessing.pool.Pool:
+        """The worker pool, started if need be and ready: every worker has imported the pool
+        functions, so ``timeout_s`` bounds scoring alone, never a worker's start-up (seconds of
+        interpreter start and imports on a loaded machine)."""
         if self._pool is None:
-            self._pool = multiprocessing.get_context("spawn").Pool(self._workers)
+            pool = multiprocessing.get_context("spawn").Pool(self._workers)
+            paths = tuple(f.fn for f in self.functions if f.runner == "pool")
+            try:
+                ready = [pool.apply_async(_import_functions, (paths,)) for _ in range(self._workers)]
+                await asyncio.to_thread(lambda: [r.get(_STARTUP_TIMEOUT_S) for r in ready])
+            except BaseException:
+                pool.terminate()
+                raise
+            self._pool = pool
         return self._pool
 
     def _restart(self) -> None:
@@ -181,7 +202,7 @@ class TaskReward:
             if not done.done():
                 setter(value)
 
-        self._ensure_pool().apply_async(
+        (await self._ensure_pool()).apply_async(
             fn,
             args,
             callback=lambda r: loop.call_soon_threadsafe(settle, done.set_result, r),

@@ -55,6 +55,7 @@ class FileItems:
     def _read(self) -> list[TaskItem]:
         import datasets
 
+        datasets.disable_progress_bars()  # a bar per file read would cut through the run's own display
         path, field = self.path, self._field
         if not path.is_file():
             raise ConfigError(f"{field}: no such file {path}")
