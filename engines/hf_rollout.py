@@ -23,9 +23,11 @@ Invariants:
   copy on this side). At the first step after a new version committed, sequences in flight are
   either re-prefilled under the new weights (``ResumePolicy.RECOMPUTE``, the default) or keep
   the cache the old weights built (``KEEP_CACHE``), and ``Trajectory.resumed`` records which;
-- behaviour log-probs are ``log_softmax(logits / temperature)`` over the full vocabulary, the
-  quantity the train engine recomputes at the same temperature; top-k/top-p truncation
-  shapes which token is drawn but is not folded into the returned log-prob;
+- behaviour log-probs are those of the distribution each token was actually drawn from:
+  ``log_softmax(logits / temperature)``, the quantity the train engine recomputes at the same
+  temperature, renormalised over the tokens top-k/top-p kept when those filters are on (minus
+  the log of the kept mass). So pi_prox / pi_behav is the true importance ratio of a truncated
+  sampler too, never a full-vocabulary ratio that hides the truncation;
 - sampling is a function of the request alone: each request draws from its own generator
   seeded by ``(seed, prompt_id, index)``, one uniform per token (inverse-CDF), so the tokens do
   not depend on which other requests share the batch (up to float rounding of batched
@@ -383,7 +385,8 @@ class HFRolloutEngine:
         return still_running
 
     def _sample(self, rows: list[_Sequence], logits: torch.Tensor) -> tuple[list[int], list[float]]:
-        """Inverse-CDF sampling over the top-k/top-p filtered, temperature-scaled distribution."""
+        """Inverse-CDF sampling over the top-k/top-p filtered, temperature-scaled distribution;
+        returns each row's token and its log-prob under that (renormalised) distribution."""
         vocab = logits.shape[-1]
         params = [s.request.params for s in rows]
         temperature = torch.tensor([[p.temperature] for p in params], device=logits.device)
@@ -401,7 +404,10 @@ class HFRolloutEngine:
         target = uniforms.unsqueeze(1) * cdf[:, -1:]
         index = torch.searchsorted(cdf, target, right=True)
         index = torch.minimum(index, keep.sum(-1, keepdim=True) - 1)  # rounding at the top end
-        return order.gather(1, index).squeeze(1).tolist(), sorted_lp.gather(1, index).squeeze(1).tolist()
+        # log(p / kept mass): 0 is subtracted when nothing is filtered (kept mass 1, up to rounding).
+        kept = cdf[:, -1:]
+        logprob = sorted_lp.gather(1, index) - torch.where(keep.all(-1, keepdim=True), 0.0, kept.log())
+        return order.gather(1, index).squeeze(1).tolist(), logprob.squeeze(1).tolist()
 
     def _finish_reason(self, seq: _Sequence) -> FinishReason | None:
         params = seq.request.params

@@ -1,9 +1,10 @@
 """The train role: one optimizer step per training step, on exactly that step's groups.
 
 It owns the algorithm: each group's advantages come from ``algorithms`` by the configured name
-(``algorithm.advantage``), and the engine is handed the configured policy objective
-(``algorithms.PolicyObjective`` over ``algorithm``): engines compute log-probs and gradients
-and know no algorithm.
+(``algorithm.advantage``), decoupled PPO's proximal log-probs are the trainer's at this very step
+(rescored if the logp role scored them at an older version), and the engine is handed the
+configured policy objective (``algorithms.PolicyObjective`` over ``algorithm``): engines compute
+log-probs and gradients and know no algorithm.
 
 Groups arrive in completion order; they are held by step, and step ``t`` runs once all
 ``prompts_per_step`` groups assigned to it are in (a drop refills the step, see the gate).
@@ -71,14 +72,52 @@ class TrainStateMachine(StateMachine):
                 trajectory.advantage = advantage
         return [t for g in batch for t in g.trajectories]
 
+    async def _step(self, batch: list[TrajectoryGroup]) -> dict[str, float]:
+        """One optimizer step, under the train lock (which the logp role shares): proximal
+        log-probs brought to the trainer's version, advantages set, the objective minimised."""
+        trainer = self.services.components.trainer
+        trajectories = self.advantages(batch)
+        rescored = await self.refresh_proximal(trajectories)
+        metrics = await trainer.train_step(trajectories, self.objective)
+        return {**metrics, "prox_rescored_fraction": rescored / len(trajectories)} if self.uses_proximal else metrics
+
+    @property
+    def uses_proximal(self) -> bool:
+        return self.config.algorithm.decoupled and "logp" in self.config.flow.stages
+
+    async def refresh_proximal(self, trajectories: list[Trajectory]) -> int:
+        """Make every trajectory's proximal log-probs the trainer's at this step; return how many
+        were rescored.
+
+        Decoupled PPO's proximal policy is the policy at the start of the train step (AReaL). The
+        logp role scores a group when it arrives, with whatever version the trainer had then, so
+        with k >= 1 a group scored at version t - 1 may be trained at version t: those are scored
+        again here (the train lock keeps the weights still in between), and a proximal version
+        other than the trainer's is an error, never silently trained.
+        """
+        if not self.uses_proximal:
+            return 0
+        trainer = self.services.components.trainer
+        version = trainer.version
+        stale = [t for t in trajectories if t.prox_version != version or t.prox_logprobs is None]
+        if stale:
+            for trajectory, logprobs in zip(stale, await trainer.logprobs(stale), strict=True):
+                if len(logprobs) != trajectory.num_actions:
+                    raise ValueError(
+                        f"prompt {trajectory.prompt_id}: {len(logprobs)} log-probs for {trajectory.num_actions} actions"
+                    )
+                trajectory.prox_logprobs, trajectory.prox_version = logprobs, version
+        if trainer.version != version:
+            raise RuntimeError(f"the trainer moved from version {version} to {trainer.version} while scoring proximal log-probs")
+        return len(stale)
+
     async def _train(self, step: int, batch: list[TrajectoryGroup]) -> bool:
         """Train one step; False if the error policy dropped the batch (the step is refilled)."""
         services = self.services
         loop = asyncio.get_running_loop()
         staleness = [services.gate.check(step, g.oldest_version, g.prompt_id, g.group.admitted_k) for g in batch]
         started = loop.time()
-        trainer = services.components.trainer
-        metrics = await self.work(batch, lambda: trainer.train_step(self.advantages(batch), self.objective))
+        metrics = await self.work(batch, lambda: self._step(batch))
         if metrics is None:
             return False
         for group in batch:

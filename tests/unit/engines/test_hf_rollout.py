@@ -105,6 +105,34 @@ async def test_top_k_one_is_greedy(engine: HFRolloutEngine) -> None:
     assert sample.payload.response_ids == logits[prompt_len - 1 : -1].argmax(-1).tolist()
 
 
+@pytest.mark.parametrize("params", [{"top_k": 3}, {"top_p": 0.6}, {"top_k": 4, "top_p": 0.8}])
+async def test_behaviour_log_probs_are_the_truncated_distributions(
+    engine: HFRolloutEngine, scorer: TorchLogProbEngine, params: dict[str, Any]
+) -> None:
+    # Sampled from a truncated distribution, a token's behaviour log-prob is its full log-prob
+    # minus the log of the kept mass (a true importance ratio against pi_prox), never the full one.
+    [sample] = await collect(engine.generate(requests([12], **params)))
+    [full] = await scorer.logprobs([sample])
+    with torch.no_grad():
+        logits = engine.model(torch.tensor([sample.payload.prompt_ids + sample.payload.response_ids])).logits[0]
+    prompt_len = len(sample.payload.prompt_ids)
+    for t, (behaviour, logprob) in enumerate(zip(sample.behaviour_logprobs, full, strict=True)):
+        probs = torch.softmax(logits[prompt_len - 1 + t].float(), -1).sort(descending=True).values
+        keep = torch.arange(len(probs)) < params.get("top_k", len(probs))
+        keep &= probs.cumsum(0) - probs < params.get("top_p", 1.0)
+        assert behaviour == pytest.approx(logprob - float(probs[keep].sum().log()), abs=1e-4)
+        assert behaviour >= logprob - 1e-6  # renormalised over fewer tokens: never less likely
+    assert max(b - f for b, f in zip(sample.behaviour_logprobs, full, strict=True)) > 1e-3  # the filter bit
+
+
+async def test_unfiltered_behaviour_log_probs_are_the_full_distributions(
+    engine: HFRolloutEngine, scorer: TorchLogProbEngine
+) -> None:
+    [sample] = await collect(engine.generate(requests([12])))
+    [full] = await scorer.logprobs([sample])
+    assert max_gap(sample.behaviour_logprobs, full) < 1e-4
+
+
 async def test_max_new_tokens_and_stop_strings(engine: HFRolloutEngine) -> None:
     [free] = await collect(engine.generate(requests([1, 20])[1:]))
     assert free.finish_reason is FinishReason.LENGTH and free.num_actions == 20

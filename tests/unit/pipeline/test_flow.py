@@ -235,3 +235,19 @@ def test_run_folder_has_metrics_trace_and_summary(tmp_path: Path) -> None:
     tracks = {e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M"}
     assert {"dataloader", "generate", "train", "param_update"} <= tracks
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == len(result.steps)
+
+
+@pytest.mark.parametrize("k", [0, 1, 2])
+def test_proximal_log_probs_are_the_trainers_at_the_step_that_trains_them(k: int) -> None:
+    # The logp role scores groups as they arrive; with k >= 1 some arrive before the previous
+    # step trained, so their proximal version is one behind: the train role must rescore them.
+    cfg = make_config(staleness={"max_staleness": k}, run={"max_steps": 8})
+    components, trainer = recording(cfg)
+    result = run_virtual(AsyncTrainingFlow(cfg, components).run())
+    for t, batch in enumerate(trainer.batches):
+        assert {s.prox_version for s in batch} == {t}, f"step {t}"
+    rescored = [s.train_metrics["prox_rescored_fraction"] for s in result.steps]
+    if k == 0:
+        assert not any(rescored)  # synchronous: always scored at the right version
+    else:
+        assert any(rescored)  # the case the rescoring exists for did occur
