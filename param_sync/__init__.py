@@ -3,6 +3,9 @@
 gather (:class:`SyncSource`) -> bucketize (:class:`Manifest`, :class:`BucketHeader`) ->
 :class:`DualBuffer` -> :class:`Transport` -> :class:`Receiver` -> load (:class:`SyncTarget`),
 driven by :class:`ParamSyncer`, which is the flow's ``WeightSync``.
+
+What it may import: ``core`` (the protocols), torch and numpy; never ``engines``,
+``state_machines``, ``tasks`` or ``pipeline`` (engines adapt themselves to its protocols).
 """
 
 from __future__ import annotations
