@@ -12,6 +12,7 @@ the event loop while the work runs (a thread, a process or a remote actor), neve
 - :class:`LogProbEngine` / :class:`TrainEngine` score trajectories and take optimizer steps;
   they know no algorithm: the train role hands them a :class:`LossObjective`.
 - :class:`Reward` scores finished trajectories; :class:`WeightSync` moves weights to rollout.
+- :class:`ValueEngine` is a critic (PPO with GAE): values per action, and its own optimizer steps.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ __all__ = [
     "SamplingParams",
     "SyncReport",
     "TrainEngine",
+    "ValueEngine",
     "WeightSync",
 ]
 
@@ -51,12 +53,14 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True)
 class RolloutRequest:
     """One trajectory to produce: sample ``index`` of ``group``, with its own sampling seed.
 
     ``evaluation`` marks the held-out evaluation's requests (the validate role), which a
     workload may serve differently from training's (an image workload denoises with more steps).
+    Not frozen (one per sample on the hot path: a frozen dataclass's ``__init__`` costs several
+    times more); nobody mutates it.
     """
 
     group: PromptGroup
@@ -160,6 +164,28 @@ class TrainEngine(LogProbEngine, Checkpointable, Protocol):
     async def train_step(self, batch: Sequence[Trajectory], objective: LossObjective) -> dict[str, float]:
         """One optimizer step on every trajectory of ``batch`` (each carrying its advantage),
         minimising ``objective``; returns the step's metrics."""
+        ...
+
+
+@runtime_checkable
+class ValueEngine(Checkpointable, Protocol):
+    """A critic: scores the value of the state before each action, and trains on returns.
+
+    Its ``version`` counts its own optimizer steps, independent of the policy's. It knows no
+    algorithm: the critic role hands ``train_step`` the value objective
+    (``algorithms.objective.ValueObjective``), whose inputs are each trajectory's ``values`` (those its
+    returns were computed with) and ``returns``.
+    """
+
+    @property
+    def version(self) -> int: ...
+
+    async def values(self, trajectories: Sequence[Trajectory]) -> list[list[float]]:
+        """Per-action values of each trajectory (the state before each action), aligned with its actions."""
+        ...
+
+    async def train_step(self, batch: Sequence[Trajectory], objective: LossObjective) -> dict[str, float]:
+        """One optimizer step of the critic on ``batch``; returns its metrics."""
         ...
 
 

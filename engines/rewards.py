@@ -81,7 +81,7 @@ async def _call_each(fn: Callable[..., Any], responses: list[Any], answers: list
     for response, answer, context in zip(responses, answers, contexts, strict=True):
         try:
             value = fn(response, answer, **context)
-            if awaited or inspect.isawaitable(value):
+            if awaited or (type(value) is not float and inspect.isawaitable(value)):
                 value = await value
         except Exception as exc:
             out.append((0.0, False, f"raised {type(exc).__name__}: {exc}"))

@@ -140,10 +140,7 @@ class AsyncTrainingFlow:
         graph = StageGraph.from_config(self.config)
         run = await self._open()
         cancelled = False
-        # Everything built so far (engines, models, config, modules) lives as long as the run:
-        # frozen, the cyclic collector's full passes stop re-scanning it. Measured on the fake
-        # engines: those passes were about a fifth of the flow's own CPU time.
-        gc.freeze()
+        collector = _tune_collector()
         try:
             built = graph.build(run.services)
             self.machines, self.channels = built.machines, built.channels
@@ -156,7 +153,7 @@ class AsyncTrainingFlow:
             cancelled = True
             await self._stop(run)
         finally:
-            gc.unfreeze()
+            _restore_collector(collector)
             self._close(run)
         result = self._report(run)
         if cancelled:
@@ -335,6 +332,29 @@ class AsyncTrainingFlow:
             (run.run_dir / "summary.json").write_text(json.dumps(_summary(result), indent=2))
             plot_run(read_step_rows(run.run_dir / "metrics.jsonl"), run.run_dir / "progress.png")
         return result
+
+
+# Allocations between two runs of the cyclic collector's youngest generation while the flow runs.
+# Its per-item records are freed by reference counting the moment they are done (no cycles), so
+# the default of 700 ran collections that found almost nothing; measured on the fake engines:
+# 552 young collections and ~10 % of the flow's CPU time over 200 steps, against 2 at 5,000.
+_YOUNG_THRESHOLD = 10_000
+
+
+def _tune_collector() -> tuple[int, int, int]:
+    """Tune the cyclic collector for the run: everything built so far (engines, models, config,
+    modules) lives as long as the run, so it is frozen out of full collections (they re-scanned it:
+    about a fifth of the flow's CPU time), and young collections run less often. Returns the
+    thresholds to restore."""
+    thresholds = gc.get_threshold()
+    gc.freeze()
+    gc.set_threshold(_YOUNG_THRESHOLD, thresholds[1], thresholds[2])
+    return thresholds
+
+
+def _restore_collector(thresholds: tuple[int, int, int]) -> None:
+    gc.set_threshold(*thresholds)
+    gc.unfreeze()
 
 
 def _mean(values: Any) -> float | None:

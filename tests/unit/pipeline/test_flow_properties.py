@@ -106,7 +106,10 @@ def test_invariants_hold_under_random_timing_and_faults(
     dropped = [d.prompt_id for d in result.drops]
     assert len(set(trained)) == len(trained)
     assert not set(trained) & set(dropped)
-    assert all(d.reason.startswith("InjectedFault") and d.stage in failing for d in result.drops)
+    # The train role also calls the logp engine (it rescores stale proximal log-probs), so its
+    # drops may come from logp's faults.
+    calls = {role: {role} for role in failing} | {"train": {"train", "logp"} & failing}
+    assert all(d.reason.startswith("InjectedFault") and calls.get(d.stage) for d in result.drops)
     assert result.ledger["balanced"] and result.ledger["in_flight"] == 0
     assert result.ledger["admitted"] == len(trained) + len(dropped)
     # Degradation: only after failed syncs, and every step trained under the bound then in force.
