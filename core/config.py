@@ -28,6 +28,7 @@ __all__ = [
     "ParamSyncConfig",
     "RewardFunctionConfig",
     "RoleConfig",
+    "RolloutServersConfig",
     "RunConfig",
     "StalenessConfig",
     "TandemConfig",
@@ -280,10 +281,68 @@ class FakeEnginesConfig(_Model):
     engine, validation included), ``logp``, ``ref_logp``, ``reward``, ``train``, ``param_update``."""
 
 
+class RolloutServersConfig(_Model):
+    """Rollout servers (``engines.rollout: server | sglang``): generation in processes of its own,
+    driven over sglang's HTTP API through one client and a router (``engines.server``)."""
+
+    count: int | None = Field(None, ge=1)
+    """Servers the run starts; None: one, or as many as ``urls``."""
+    urls: list[str] = Field(default_factory=list)
+    """Servers already running (``http://host:port``) to use instead of starting any; the run
+    leaves them running. Empty: the run starts ``count`` servers and stops them at its end."""
+    host: str = "127.0.0.1"
+    """Address the started servers bind: this machine only by default; binding elsewhere is explicit."""
+    base_port: int | None = Field(None, ge=1, le=65535)
+    """Port of the first started server (server i listens on base_port + i); None: free ports."""
+    weight_transport: Literal["shm", "dist", "disk"] = "shm"
+    """How weights reach the servers: ``shm`` (same host: the servers map the trainer's buffer,
+    tandem's servers only), ``dist`` (a torch.distributed group, sglang's
+    ``update_weights_from_distributed``: gloo on CPU, NCCL on GPU), ``disk`` (a safetensors
+    checkpoint in ``weights_dir``, sglang's ``update_weights_from_disk``)."""
+    weights_dir: Path | None = None
+    """``disk``: the folder checkpoints are written to, readable by every server; None: a
+    temporary folder on this machine (removed at the end)."""
+    trainer_address: str = "127.0.0.1"
+    """``dist``: this process's address as the servers reach it (the weight group's rendezvous)."""
+    startup_timeout_s: float = Field(300.0, gt=0)
+    """How long a server may take to answer ``/health`` after it starts (or to come back)."""
+    request_timeout_s: float = Field(600.0, gt=0)
+    """Longest one generation request or weight transfer may take before the server is deemed gone."""
+    health_interval_s: float = Field(2.0, gt=0)
+    """Seconds between health checks of every server (a failing one is taken out of service)."""
+    max_restarts: int = Field(0, ge=0)
+    """Times the run restarts a server it started that exited; its requests are retried on the
+    others meanwhile and it gets the current weights before any work."""
+
+    @model_validator(mode="after")
+    def _consistent(self) -> RolloutServersConfig:
+        bad = [u for u in self.urls if not u.startswith(("http://", "https://"))]
+        if bad:
+            raise ValueError(f"engines.servers.urls must be http(s)://host:port, got {bad}")
+        if self.urls and self.count is not None and self.count != len(self.urls):
+            raise ValueError(f"engines.servers.count={self.count} but {len(self.urls)} urls are given")
+        if self.urls and self.max_restarts:
+            raise ValueError("engines.servers.max_restarts restarts servers the run started: not with engines.servers.urls")
+        if self.base_port is not None and self.base_port + self.servers - 1 > 65535:
+            raise ValueError(f"engines.servers.base_port={self.base_port} leaves no port for {self.servers} servers")
+        return self
+
+    @property
+    def servers(self) -> int:
+        return len(self.urls) or self.count or 1
+
+
 class TorchEnginesConfig(_Model):
     """The embedded engines: a transformers rollout engine and a torch trainer, in threads."""
 
     type: Literal["torch"] = "torch"
+    rollout: Literal["embedded", "server", "sglang"] = "embedded"
+    """Where generation runs: ``embedded`` (the rollout engine in a thread of this process),
+    ``server`` (``tandem serve`` processes: the same engine behind sglang's HTTP API), ``sglang``
+    (``python -m sglang.launch_server`` processes, one per GPU, needs sglang installed), either
+    started by the run or the ones at ``servers.urls``."""
+    servers: RolloutServersConfig = RolloutServersConfig()
+    """The rollout servers, for ``rollout: server | sglang``."""
     model_path: Path | None = None
     """A local Hugging Face checkpoint folder (model + tokenizer); relative paths are taken from
     the working directory, then from the project root. None: the model the task ships."""
@@ -585,6 +644,7 @@ class TandemConfig(_Model):
                 "attempts of a sync that keeps failing"
             )
         self._check_cluster()
+        self._check_rollout_servers()
         if self.engines.type != "fake" and self.task.name is None:
             raise ValueError(f"task.name: engines.type={self.engines.type} trains a real model: name its task")
         if self.engines.type == "torch":
@@ -612,6 +672,26 @@ class TandemConfig(_Model):
         if not self.observability.write_run_dir and self.observability.trackers:
             raise ValueError("observability.trackers write into the run folder: set observability.write_run_dir=true")
         return self
+
+    def _check_rollout_servers(self) -> None:
+        engines = self.engines
+        if not isinstance(engines, TorchEnginesConfig):
+            return
+        if engines.rollout == "embedded":
+            if engines.servers != RolloutServersConfig():
+                raise ValueError("engines.servers applies to engines.rollout=server or sglang, not embedded")
+            return
+        if self.cluster.backend != "local":
+            raise ValueError(f"engines.rollout={engines.rollout} runs its own server processes: needs cluster.backend=local")
+        if engines.rollout == "sglang" and engines.servers.weight_transport == "shm":
+            raise ValueError(
+                "engines.servers.weight_transport=shm: sglang servers cannot map tandem's shared memory; use dist or disk"
+            )
+        if engines.servers.max_restarts > 0 and self.role("param_update").max_retries < 1:
+            raise ValueError(
+                "engines.servers.max_restarts > 0: a weight sync in flight when a server dies fails and is sent again "
+                "to the servers in service; set roles.param_update.max_retries >= 1"
+            )
 
     def _check_cluster(self) -> None:
         cluster = self.cluster

@@ -176,6 +176,10 @@ def build_torch_components(config: TandemConfig, setup: TaskSetup) -> Components
     hf_logging.disable_progress_bar()  # per-load bars would interleave with the run's own display
     spec = config.engines
     assert isinstance(spec, TorchEnginesConfig)
+    if spec.rollout != "embedded":  # generation in server processes: the same bundle around a router
+        from engines.server.components import build_server_components
+
+        return build_server_components(config, setup)
     gen_threads, train_threads = thread_budgets(config)
     tokenizer = load_tokenizer(str(resolve_model_path(spec.model_path)))
     max_prompt_tokens = prompt_budget(config, tokenizer)  # before any engine starts: bad input fails fast

@@ -1,0 +1,135 @@
+"""Builds the text workload's bundle with generation in rollout servers (``engines.rollout: server | sglang``).
+
+What it owns: joining the pieces: the server processes (started here, or the ones at
+``engines.servers.urls``, which are left alone), the router over them
+(:class:`~engines.server.router.ServerRolloutEngine`, the workflow's engine), the trainer in
+this process, and the weight sync from the trainer's dual buffer into the servers by the
+configured transport. Everything else (data, tokenization, reward, checkpoints) is the
+embedded bundle's, so the flow sees no difference.
+
+Invariants: nothing here waits for a server (the first call that needs them does, in the
+flow's loop); the close callbacks stop the sync, then the router, then the servers this run
+started, then the trainer, and run on success, error and Ctrl-C alike.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import tempfile
+from pathlib import Path
+
+from core.components import Components, TaskSetup
+from core.config import TandemConfig, TorchEnginesConfig
+from engines.server.launcher import ServerFleet, ServerSpec, sglang_command, tandem_command
+from engines.server.router import ServerRolloutEngine
+from engines.server.weights import DiskTransport, HttpDistTransport, HttpShmTransport, ServerWeightSync, free_port
+from engines.torch_sync import TorchWeightSync, TrainerSyncSource
+from param_sync import ParamSyncer, Transport
+
+__all__ = ["build_server_components", "server_fleet"]
+
+
+def server_fleet(config: TandemConfig, model_path: str, threads: int, run_dir: Path) -> ServerFleet:
+    """The server processes ``config`` asks the run to start (not yet started)."""
+    spec = config.engines
+    assert isinstance(spec, TorchEnginesConfig)
+    servers = spec.servers
+    specs = []
+    for i in range(servers.servers):
+        port = servers.base_port + i if servers.base_port is not None else free_port(servers.host)
+        name = f"{spec.rollout}{i}"
+        if spec.rollout == "sglang":
+            command = sglang_command(model_path, servers.host, port, dtype=spec.dtype)
+            env = {"CUDA_VISIBLE_DEVICES": str(i)} if spec.device.startswith("cuda") else {}
+        else:
+            command = tandem_command(
+                model_path, servers.host, port, name=name, threads=threads, max_batch_size=spec.max_batch_size,
+                resume_policy=spec.resume_policy, dtype=spec.dtype, device=spec.device,
+                consume_bucket_mb=config.param_sync.consume_bucket_mb,
+            )
+            env = {}
+        specs.append(ServerSpec(name, command, f"http://{servers.host}:{port}", run_dir / f"{name}.log", env))
+    return ServerFleet(specs, startup_timeout_s=servers.startup_timeout_s, max_restarts=servers.max_restarts)
+
+
+def build_server_components(config: TandemConfig, setup: TaskSetup) -> Components:
+    """The text workload's bundle with generation in servers (see the module docstring)."""
+    from engines.text_workflow import SingleTurnWorkflow
+    from engines.tokenizer import load_tokenizer
+    from engines.torch_components import (
+        prompt_budget,
+        reference_engine,
+        resolve_model_path,
+        sampling_params,
+        save_checkpoint,
+        thread_budgets,
+        tokenized,
+        tokenized_held_out,
+        train_engine,
+    )
+
+    spec = config.engines
+    assert isinstance(spec, TorchEnginesConfig)
+    servers = spec.servers
+    model_path = str(resolve_model_path(spec.model_path))
+    tokenizer = load_tokenizer(model_path)
+    max_prompt_tokens = prompt_budget(config, tokenizer)  # before anything starts: bad input fails fast
+    gen_threads, train_threads = thread_budgets(config)
+    scratch = Path(tempfile.mkdtemp(prefix="tandem-servers-"))
+    fleet: ServerFleet | None = None
+    if not servers.urls:
+        fleet = server_fleet(config, model_path, gen_threads, config.run.output_dir / config.run.name / "servers")
+        fleet.launch()
+    try:
+        router = ServerRolloutEngine(
+            servers.urls or fleet.urls,  # type: ignore[union-attr]
+            decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+            live_updates=spec.rollout == "server", request_timeout_s=servers.request_timeout_s,
+            health_interval_s=servers.health_interval_s, wait_for_server_s=servers.startup_timeout_s,
+            ready=fleet.ready if fleet is not None else None,
+        )
+        engine = train_engine(config, train_threads)
+        transport: Transport
+        if servers.weight_transport == "shm":
+            transport = HttpShmTransport(router.receivers, timeout_s=servers.request_timeout_s)
+        elif servers.weight_transport == "dist":
+            backend = "nccl" if spec.device.startswith("cuda") else "gloo"
+            transport = HttpDistTransport(
+                router.receivers, master_address=servers.trainer_address, backend=backend,
+                checksums=spec.rollout == "server", timeout_s=servers.request_timeout_s,
+            )
+        else:
+            transport = DiskTransport(router.receivers, servers.weights_dir or scratch / "weights",
+                                      timeout_s=servers.request_timeout_s)
+        source = TrainerSyncSource(engine)
+        ps = config.param_sync
+        inner = TorchWeightSync(source, ParamSyncer(source, transport, produce_bucket_mb=ps.produce_bucket_mb))
+        weight_sync = ServerWeightSync(inner, router)
+        router.resync = weight_sync.reload
+        if fleet is not None:
+            fleet.on_restart = router.restarted
+        reference = reference_engine(config, train_threads) if "ref_logp" in config.flow.stages else None
+    except BaseException:
+        if fleet is not None:
+            fleet.stop()
+        raise
+
+    async def checkpoint(folder: Path) -> None:
+        await asyncio.to_thread(save_checkpoint, engine, tokenizer, folder)
+
+    # The sync first (a transfer in flight finishes against live servers), then the router, the servers, the trainer.
+    closers = [weight_sync.close, router.close, *([fleet.stop] if fleet is not None else []), engine.close,
+               *([reference.close] if reference is not None else []), lambda: shutil.rmtree(scratch, ignore_errors=True)]
+    return Components(
+        prompts=tokenized(setup.items, tokenizer),
+        held_out=tokenized_held_out(setup.task, tokenizer),
+        workflow=SingleTurnWorkflow(router, sampling_params(config)),
+        trainer=engine,
+        reward=setup.reward,
+        weight_sync=weight_sync,
+        reference=reference,
+        close_callbacks=closers,
+        save_checkpoint=checkpoint,
+        max_prompt_tokens=max_prompt_tokens,
+    )

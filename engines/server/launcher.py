@@ -1,0 +1,212 @@
+"""Rollout server processes the flow starts, watches, restarts and stops: ``tandem serve`` or sglang.
+
+What it owns: the command line of each server (:func:`tandem_command`, :func:`sglang_command`:
+``python -m sglang.launch_server`` with sglang's flags, one per GPU slot), the processes, their
+readiness probe (``GET /health`` answering 200, or the process exiting first: then the error
+quotes its log's tail), restarts of a process that exits while the run goes on (up to
+``max_restarts`` each, same port), and stopping them all.
+
+Invariants (no orphan survives a run):
+- a server is started in a session of its own (a Ctrl-C at the terminal reaches the driver
+  alone, which stops the servers in order) and with the parent-death signal set, so it gets
+  SIGTERM if the driver dies, even by ``kill -9``; processes are started from the thread that
+  runs the event loop, which lives as long as the driver (the signal follows the thread that
+  started a process, not the process);
+- :meth:`ServerFleet.stop` sends SIGTERM to each server's process group, waits up to
+  ``stop_timeout_s``, then SIGKILLs what is left; it runs on success, error and Ctrl-C alike
+  (a components close callback), and a stopped fleet restarts nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import structlog
+
+__all__ = ["ServerFleet", "ServerLaunchError", "ServerSpec", "sglang_command", "tandem_command"]
+
+log = structlog.get_logger("tandem.launcher")
+PROJECT_ROOT = Path(__file__).resolve().parent.parent.parent
+_PR_SET_PDEATHSIG = 1
+
+
+class ServerLaunchError(RuntimeError):
+    """A server did not become ready; the message names it and quotes its log."""
+
+
+def tandem_command(model_path: str, host: str, port: int, *, name: str, threads: int, max_batch_size: int,
+                   resume_policy: str, dtype: str, device: str, consume_bucket_mb: float) -> list[str]:
+    return [
+        sys.executable, "-m", "pipeline.cli", "serve", "--model-path", model_path, "--host", host, "--port", str(port),
+        "--name", name, "--threads", str(threads), "--max-batch-size", str(max_batch_size),
+        "--resume-policy", resume_policy, "--dtype", dtype, "--device", device, "--consume-bucket-mb", f"{consume_bucket_mb:g}",
+    ]
+
+
+def sglang_command(model_path: str, host: str, port: int, *, dtype: str) -> list[str]:
+    """sglang's own launcher with the flags it documents; the GPU comes from CUDA_VISIBLE_DEVICES."""
+    return [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path, "--host", host, "--port", str(port),
+            "--dtype", dtype]
+
+
+@dataclass(slots=True)
+class ServerSpec:
+    """One server to run: its command, URL, log file and extra environment (its GPU)."""
+
+    name: str
+    command: list[str]
+    url: str
+    log_path: Path
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(slots=True, eq=False)
+class _Process:
+    spec: ServerSpec
+    popen: subprocess.Popen[bytes] | None = None
+    restarts: int = 0
+
+
+# Resolved here, not in the child: between fork and exec the child must not load libraries.
+_prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl if sys.platform == "linux" else None
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    if _prctl is not None:
+        _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+class ServerFleet:
+    """The server processes of one run (see the module docstring)."""
+
+    def __init__(self, specs: list[ServerSpec], *, startup_timeout_s: float, max_restarts: int,
+                 stop_timeout_s: float = 10.0, on_restart: Callable[[str], None] | None = None) -> None:
+        self._procs = [_Process(spec) for spec in specs]
+        self._startup_timeout_s = startup_timeout_s
+        self._max_restarts = max_restarts
+        self._stop_timeout_s = stop_timeout_s
+        self._stopping = False
+        self._ready: asyncio.Future[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.on_restart = on_restart
+
+    @property
+    def urls(self) -> list[str]:
+        return [p.spec.url for p in self._procs]
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.popen.pid for p in self._procs if p.popen is not None]
+
+    def launch(self) -> None:
+        """Start every process now (no waiting: :meth:`ready` waits)."""
+        for proc in self._procs:
+            self._spawn(proc)
+
+    async def ready(self) -> None:
+        """Wait until every server answers ``/health``, then watch for exits. Idempotent."""
+        if self._ready is None:
+            self._loop = asyncio.get_running_loop()
+            self._ready = asyncio.ensure_future(self._all_ready())
+        await asyncio.shield(self._ready)
+
+    async def _all_ready(self) -> None:
+        async with aiohttp.ClientSession() as session:
+            await asyncio.gather(*(self._wait_ready(session, p) for p in self._procs))
+        for proc in self._procs:
+            self._watch(proc)
+
+    async def _wait_ready(self, session: aiohttp.ClientSession, proc: _Process) -> None:
+        deadline = time.monotonic() + self._startup_timeout_s
+        while True:  # a readiness probe: the server says nothing when it is up, so ask
+            assert proc.popen is not None
+            if proc.popen.poll() is not None:
+                raise ServerLaunchError(f"{proc.spec.name} exited with code {proc.popen.returncode} before it was ready; "
+                                        f"its log ({proc.spec.log_path}):\n{_tail(proc.spec.log_path)}")
+            with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+                async with session.get(proc.spec.url + "/health", timeout=aiohttp.ClientTimeout(total=5)) as resp:
+                    if resp.status == 200:
+                        log.info("rollout server ready", server=proc.spec.name, url=proc.spec.url, pid=proc.popen.pid)
+                        return
+            if time.monotonic() > deadline:
+                raise ServerLaunchError(f"{proc.spec.name} at {proc.spec.url} not ready after {self._startup_timeout_s:g} s; "
+                                        f"its log ({proc.spec.log_path}):\n{_tail(proc.spec.log_path)}")
+            await asyncio.sleep(0.2)
+
+    def _spawn(self, proc: _Process) -> None:
+        spec = proc.spec
+        spec.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with spec.log_path.open("ab") as out:
+            proc.popen = subprocess.Popen(
+                spec.command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=PROJECT_ROOT,
+                env={**os.environ, **spec.env}, start_new_session=True, preexec_fn=_die_with_parent,
+            )
+        log.info("rollout server started", server=spec.name, pid=proc.popen.pid, command=" ".join(spec.command))
+
+    def _watch(self, proc: _Process) -> None:
+        """A thread waits for the process to exit and tells the loop (no polling)."""
+        popen, loop = proc.popen, self._loop
+        assert popen is not None and loop is not None
+
+        def wait() -> None:
+            popen.wait()
+            with contextlib.suppress(RuntimeError):  # the loop has closed: the run is over
+                loop.call_soon_threadsafe(self._exited, proc, popen)
+
+        threading.Thread(target=wait, name=f"watch-{proc.spec.name}", daemon=True).start()
+
+    def _exited(self, proc: _Process, popen: subprocess.Popen[bytes]) -> None:
+        if self._stopping or proc.popen is not popen:
+            return
+        if proc.restarts >= self._max_restarts:
+            log.error("rollout server exited; no restarts left", server=proc.spec.name, code=popen.returncode)
+            return
+        proc.restarts += 1
+        log.warning("rollout server exited; restarting", server=proc.spec.name, code=popen.returncode, restart=proc.restarts)
+        self._spawn(proc)  # on the loop's thread, which outlives the process (parent-death signal)
+        if self.on_restart is not None:
+            self.on_restart(proc.spec.url)
+        task = asyncio.ensure_future(self._rewatch(proc))
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+
+    async def _rewatch(self, proc: _Process) -> None:
+        async with aiohttp.ClientSession() as session:
+            await self._wait_ready(session, proc)
+        self._watch(proc)
+
+    def stop(self) -> None:
+        """Stop every server: SIGTERM to its process group, SIGKILL after ``stop_timeout_s``."""
+        self._stopping = True
+        live = [p.popen for p in self._procs if p.popen is not None and p.popen.poll() is None]
+        for popen in live:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(popen.pid, signal.SIGTERM)
+        deadline = time.monotonic() + self._stop_timeout_s
+        for popen in live:
+            try:
+                popen.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(popen.pid, signal.SIGKILL)
+                popen.wait()
+        if self._ready is not None and not self._ready.done():
+            self._ready.cancel()
+
+
+def _tail(path: Path, lines: int = 30) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"

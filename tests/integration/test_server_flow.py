@@ -1,0 +1,131 @@
+"""The flow with generation in rollout servers (``engines.rollout: server``) on the shipped model:
+it trains, the staleness bound and the ledger hold as in-process, a server killed -9 mid-run is
+replaced and every prompt is trained exactly once, the servers are gone afterwards, and an agent
+written against the ``openai`` client trains end to end. A ``gpu`` test runs real sglang."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from core.config import TandemConfig, validate_config
+from pipeline import AsyncTrainingFlow
+from pipeline.builders import build_components
+from tasks.arithmetic import MAX_RESPONSE_TOKENS, MODEL_DIR
+from tests.conftest import merge
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not (MODEL_DIR / "config.json").is_file(), reason="the shipped model is missing"),
+]
+
+SMALL: dict[str, Any] = {
+    "run": {"max_steps": 4, "seed": 1},
+    "staleness": {"max_staleness": 1},
+    "train": {"prompts_per_step": 4},
+    "rollout": {"samples_per_prompt": 4, "max_new_tokens": MAX_RESPONSE_TOKENS},
+    "flow": {"stages": ["dataloader", "generate", "rollout", "logp", "reward", "train"], "micro_batch_size": 2},
+    "engines": {"type": "torch", "model_path": str(MODEL_DIR), "lr": 1e-3, "generation_threads": 1, "train_threads": 1,
+                "rollout": "server", "servers": {"startup_timeout_s": 240}},
+    "task": {"name": "arithmetic"},
+    "observability": {"write_run_dir": False, "trace": False},
+}
+
+
+def server_config(tmp_path: Path, **sections: Any) -> TandemConfig:
+    return validate_config(merge(merge(SMALL, {"run": {"output_dir": str(tmp_path)}}), sections))
+
+
+def gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    status = Path(f"/proc/{pid}/status")
+    return not status.exists() or "State:\tZ" in status.read_text()
+
+
+def check_run(result: Any, config: TandemConfig) -> None:
+    k = config.staleness.k
+    ledger = result.ledger
+    assert len(result.steps) == config.run.max_steps
+    assert ledger["trained"] == config.run.max_steps * config.train.prompts_per_step and ledger["dropped"] == 0
+    assert ledger["balanced"]
+    assert all(int(s) <= k for s in result.staleness_counts)  # the bound, as in-process
+
+
+def test_the_default_job_trains_with_generation_in_a_server_and_stops_it(tmp_path: Path) -> None:
+    config = server_config(tmp_path, run={"max_steps": 6})
+    components = build_components(config)
+    fleet = components.close_callbacks[2].__self__  # the fleet's stop: its pids, to check they are gone
+    result = asyncio.run(AsyncTrainingFlow(config, components=components).run())
+    components.close()
+    check_run(result, config)
+    assert all(r.reward_mean == r.reward_mean for r in result.steps)  # a number every step
+    assert result.syncs and result.syncs[-1].version >= config.run.max_steps - 1
+    assert all(gone(pid) for pid in fleet.pids)
+
+
+def test_a_server_killed_mid_run_is_replaced_and_every_prompt_is_trained_once(tmp_path: Path) -> None:
+    config = server_config(
+        tmp_path, run={"max_steps": 8},
+        engines={"servers": {"count": 2, "max_restarts": 1, "health_interval_s": 0.5, "startup_timeout_s": 240}},
+        roles={"param_update": {"max_retries": 3, "retry_backoff_s": 0.5}},
+    )
+    components = build_components(config)
+    fleet = components.close_callbacks[2].__self__
+    killed: list[int] = []
+
+    def on_step(record: Any) -> None:
+        if record.step == 2 and not killed:
+            killed.append(fleet.pids[0])
+            os.kill(fleet.pids[0], signal.SIGKILL)
+
+    result = asyncio.run(AsyncTrainingFlow(config, components=components, on_step=on_step).run())
+    restarts = [p.restarts for p in fleet._procs]
+    components.close()
+    check_run(result, config)
+    assert killed and restarts == [1, 0]
+    assert all(gone(pid) for pid in [*killed, *fleet.pids])
+
+
+def test_an_openai_client_agent_trains_end_to_end(tmp_path: Path) -> None:
+    """The agent sees only an OpenAI endpoint; the workflow turns its calls into trajectories."""
+    openai = pytest.importorskip("openai")
+    from engines.server.agent import AgentRun, OpenAIAgentWorkflow
+
+    async def agent(run: AgentRun) -> None:
+        api = openai.AsyncOpenAI(base_url=run.base_url, api_key="unused", max_retries=0)
+        await api.completions.create(model="tandem", prompt=run.item.prompt, max_tokens=MAX_RESPONSE_TOKENS,
+                                     temperature=1.0, seed=run.seed, extra_body=run.extra_body)
+
+    config = server_config(tmp_path, run={"max_steps": 4})
+    components = build_components(config)
+    router = components.workflow.engine  # type: ignore[attr-defined]
+    tokenizer_decode = router._decode
+    components.workflow = OpenAIAgentWorkflow(router, agent, decode=tokenizer_decode)
+    try:
+        result = asyncio.run(AsyncTrainingFlow(config, components=components).run())
+    finally:
+        components.close()
+    check_run(result, config)
+    assert result.syncs and result.syncs[-1].version >= 3  # the trained weights reached the agent's server
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="sglang is not installed (it needs CUDA)")
+def test_real_sglang_servers_train_the_default_job(tmp_path: Path) -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    config = server_config(tmp_path, engines={"rollout": "sglang", "device": "cuda",
+                                              "servers": {"weight_transport": "dist", "startup_timeout_s": 600}})
+    result = asyncio.run(AsyncTrainingFlow(config).run())
+    check_run(result, config)

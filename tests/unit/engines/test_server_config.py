@@ -1,0 +1,59 @@
+"""``engines.rollout`` and ``engines.servers``: every field validated before anything starts, naming the field."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from core.config import ConfigError, TandemConfig, validate_config
+from tests.conftest import merge
+
+BASE: dict[str, Any] = {
+    "task": {"name": "arithmetic"},
+    "flow": {"stages": ["dataloader", "generate", "rollout", "logp", "reward", "train"]},
+    "engines": {"type": "torch"},
+}
+
+
+def config(**engines: Any) -> TandemConfig:
+    return validate_config(merge(BASE, {"engines": engines}))
+
+
+def test_embedded_is_the_default_and_servers_default_to_one_on_loopback() -> None:
+    c = config()
+    assert c.engines.rollout == "embedded"
+    s = config(rollout="server").engines.servers
+    assert (s.servers, s.host, s.weight_transport, s.urls) == (1, "127.0.0.1", "shm", [])
+    assert config(rollout="server", servers={"urls": ["http://h:1", "http://h:2"]}).engines.servers.servers == 2
+
+
+@pytest.mark.parametrize(
+    ("engines", "named"),
+    [
+        ({"servers": {"count": 2}}, "engines.servers applies to engines.rollout=server or sglang"),
+        ({"rollout": "sglang"}, "engines.servers.weight_transport=shm"),
+        ({"rollout": "server", "servers": {"urls": ["h:1"]}}, "engines.servers.urls"),
+        ({"rollout": "server", "servers": {"urls": ["http://h:1"], "count": 2}}, "engines.servers.count=2"),
+        ({"rollout": "server", "servers": {"urls": ["http://h:1"], "max_restarts": 1}}, "engines.servers.max_restarts"),
+        ({"rollout": "server", "servers": {"count": 3, "base_port": 65534}}, "engines.servers.base_port"),
+        ({"rollout": "server", "servers": {"max_restarts": 1}}, "roles.param_update.max_retries"),
+        ({"rollout": "server", "servers": {"weight_transport": "tcp"}}, "weight_transport"),
+        ({"rollout": "vllm"}, "rollout"),
+        ({"rollout": "server", "servers": {"request_timeout_s": 0}}, "request_timeout_s"),
+    ],
+)
+def test_invalid_server_settings_fail_naming_the_field(engines: dict[str, Any], named: str) -> None:
+    with pytest.raises(ConfigError, match=named.replace(".", r"\.").replace("=", "=")):
+        config(**engines)
+
+
+def test_servers_need_the_local_backend() -> None:
+    with pytest.raises(ConfigError, match="cluster.backend=local"):
+        validate_config(merge(BASE, {"engines": {"rollout": "server"}, "cluster": {"backend": "ray"}}))
+
+
+def test_restarts_with_sync_retries_are_accepted() -> None:
+    c = validate_config(merge(BASE, {"engines": {"rollout": "server", "servers": {"count": 2, "max_restarts": 1}},
+                                     "roles": {"param_update": {"max_retries": 2}}}))
+    assert c.engines.servers.max_restarts == 1

@@ -1,0 +1,69 @@
+"""Helpers for the rollout-server tests: a ``tandem serve`` app inside the test's event loop.
+
+Serving in-process keeps each test fast (no interpreter start, no model load in a child);
+the tests that need a real process (kill -9, orphans, the launcher) start ``tandem serve``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from engines.server.app import RolloutServer, serve
+from engines.server.launcher import ServerFleet, ServerSpec, tandem_command
+from engines.server.weights import free_port
+
+
+@contextlib.asynccontextmanager
+async def served(model_dir: Path, **options: Any) -> AsyncIterator[tuple[RolloutServer, str]]:
+    """A server for ``model_dir`` on a free port of 127.0.0.1: yields it and its URL."""
+    server = RolloutServer.create(str(model_dir), **options)
+    stop = asyncio.Event()
+    port: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+    task = asyncio.ensure_future(serve(server, "127.0.0.1", 0, ready=port.set_result, stop=stop))
+    try:
+        yield server, f"http://127.0.0.1:{await port}"
+    finally:
+        stop.set()
+        await task
+
+
+def fleet_of(model_dir: Path, count: int, logs: Path, *, max_restarts: int = 0) -> ServerFleet:
+    """``count`` ``tandem serve`` processes for ``model_dir`` on free ports (not yet launched)."""
+    specs = []
+    for i in range(count):
+        port = free_port()
+        command = tandem_command(str(model_dir), "127.0.0.1", port, name=f"server{i}", threads=1, max_batch_size=16,
+                                 resume_policy="recompute", dtype="float32", device="cpu", consume_bucket_mb=64)
+        specs.append(ServerSpec(f"server{i}", command, f"http://127.0.0.1:{port}", logs / f"server{i}.log"))
+    return ServerFleet(specs, startup_timeout_s=240, max_restarts=max_restarts)
+
+
+@contextlib.asynccontextmanager
+async def launched(model_dir: Path, count: int, logs: Path, **options: Any) -> AsyncIterator[ServerFleet]:
+    """``count`` real server processes, ready; stopped on the way out."""
+    fleet = fleet_of(model_dir, count, logs, **options)
+    fleet.launch()
+    try:
+        await fleet.ready()
+        yield fleet
+    finally:
+        fleet.stop()
+
+
+def test_served_yields_a_live_url(model_dir: Path) -> None:
+    """The helper itself: the server answers at the URL it yields, and stops afterwards."""
+    import aiohttp
+
+    async def check() -> tuple[int, bool]:
+        async with served(model_dir) as (server, url), aiohttp.ClientSession() as session:
+            async with session.get(url + "/health") as resp:
+                status = resp.status
+        return status, server.engine._thread.is_alive()
+
+    status, alive_after = asyncio.run(check())
+    assert status == 200
+    assert not alive_after  # closed with the server
