@@ -31,3 +31,8 @@ class LossInputs:
     prox_logprobs: torch.Tensor | None = None
     ref_logprobs: torch.Tensor | None = None
     entropy: torch.Tensor | None = None  # per-token entropy of the current policy, detached
+    # Per-action KL(pi_theta || pi_ref) computed exactly by the engine, with gradient through
+    # pi_theta: the loss's KL term when ``kl_estimator == "exact"``. An image engine fills it with
+    # the closed form between two Gaussian transitions (``algorithms.flow_grpo.transition_kl``),
+    # which needs the reference's transition mean, not a log-prob of the sampled action.
+    kl: torch.Tensor | None = None

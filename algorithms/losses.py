@@ -72,6 +72,7 @@ from algorithms.kl import KL_LOSS_ESTIMATORS, MAX_LOG_RATIO, compute_kl, importa
 __all__ = [
     "AGGREGATIONS",
     "BEHAVIOUR_WEIGHT_MODES",
+    "EXACT_KL",
     "POLICY_LOSSES",
     "Aggregation",
     "BehaviourWeightMode",
@@ -90,6 +91,9 @@ __all__ = [
 ]
 
 Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
+# The KL term's name for an exact KL the engine computed (``LossInputs.kl``) rather than one
+# estimated from log-probs of the sampled actions (the estimators of ``algorithms.kl``).
+EXACT_KL = "exact"
 AGGREGATIONS: tuple[str, ...] = get_args(Aggregation)
 # The behaviour weight's modes are the corrections' ("clamp": truncated IS, "mask": masked IS).
 BehaviourWeightMode = CorrectionMode
@@ -120,7 +124,7 @@ class LossSettings(Protocol):
     cispo_eps_low: float  # cispo: IS weight floor 1 - eps; 1.0 = none, as in MiniMax-M1
     cispo_eps_high: float  # cispo: IS weight ceiling 1 + eps
     kimi15_tau: float  # kimi15: coefficient of the squared log-ratio penalty
-    kl_estimator: str | None  # all: a key of KL_LOSS_ESTIMATORS ("k2" | "k3") against ref_logprobs, or None
+    kl_estimator: str | None  # all: a key of KL_LOSS_ESTIMATORS ("k2" | "k3") against ref_logprobs, EXACT_KL, or None
     kl_coef: float  # all: weight of the KL term; > 0 needs kl_estimator
     kl_importance_weight: bool  # decoupled: KL term times pi_theta / pi_behav (DeepSeek-V3.2's unbiased KL)
     aggregation: str  # "token-mean" | "seq-mean-token-mean" | "seq-mean-token-sum"
@@ -308,7 +312,7 @@ def _token_mean(values: torch.Tensor, real: torch.Tensor) -> float:
 def _check_inputs(inputs: LossInputs, cfg: LossSettings) -> None:
     if inputs.logprobs.dim() != 2:
         raise ValueError(f"logprobs must be [rows, tokens], got shape {tuple(inputs.logprobs.shape)}")
-    for field in ("behaviour_logprobs", "advantages", "mask", "prox_logprobs", "ref_logprobs", "entropy"):
+    for field in ("behaviour_logprobs", "advantages", "mask", "prox_logprobs", "ref_logprobs", "entropy", "kl"):
         tensor = getattr(inputs, field)
         if tensor is not None and tensor.shape != inputs.logprobs.shape:
             raise ValueError(f"{field} has shape {tuple(tensor.shape)}, logprobs {tuple(inputs.logprobs.shape)}")
@@ -319,12 +323,20 @@ def _check_inputs(inputs: LossInputs, cfg: LossSettings) -> None:
             "behaviour weight of 1. Recompute them, or set decoupled=False to anchor on the "
             "behaviour log-probs."
         )
-    if cfg.kl_estimator is not None and cfg.kl_estimator not in KL_LOSS_ESTIMATORS:
+    if cfg.kl_estimator == EXACT_KL:
+        if inputs.kl is None:
+            raise ValueError(
+                "kl_estimator='exact' takes the KL the engine computed (LossInputs.kl), but got None; "
+                "only engines that know their policy's distribution in closed form (the image workload) fill it"
+            )
+        if cfg.kl_importance_weight:
+            raise ValueError("kl_importance_weight=True re-weights a sampled estimate; the exact KL is not one")
+    elif cfg.kl_estimator is not None and cfg.kl_estimator not in KL_LOSS_ESTIMATORS:
         raise ValueError(
             f"kl_estimator={cfg.kl_estimator!r} cannot be a loss: its gradient is zero in expectation "
             f"(it belongs in the reward); a KL loss takes one of {sorted(KL_LOSS_ESTIMATORS)}"
         )
-    if cfg.kl_estimator is not None and inputs.ref_logprobs is None:
+    if cfg.kl_estimator not in (None, EXACT_KL) and inputs.ref_logprobs is None:
         raise ValueError(
             f"KL penalty (kl_estimator={cfg.kl_estimator!r}) needs ref_logprobs from the "
             "reference model, but got None; compute them or set kl_estimator=None."
@@ -342,7 +354,10 @@ def _finite_inputs(inputs: LossInputs, cfg: LossSettings) -> torch.Tensor:
     if cfg.decoupled:
         assert inputs.prox_logprobs is not None  # checked by _check_inputs
         finite &= torch.isfinite(inputs.prox_logprobs)
-    if cfg.kl_estimator is not None:
+    if cfg.kl_estimator == EXACT_KL:
+        assert inputs.kl is not None  # checked by _check_inputs
+        finite &= torch.isfinite(inputs.kl.detach())
+    elif cfg.kl_estimator is not None:
         assert inputs.ref_logprobs is not None  # checked by _check_inputs
         finite &= torch.isfinite(inputs.ref_logprobs)
     return finite
@@ -355,7 +370,9 @@ def compute_policy_loss(inputs: LossInputs, cfg: LossSettings) -> tuple[torch.Te
     ``w`` the corrected behaviour weight when decoupled (else 1 by configuration), over the
     scored tokens (real, finite inputs, ``|log pi_theta - log pi_anchor| <= 20``); with
     ``kl_importance_weight`` the KL term is ``w * pi_theta / pi_prox`` times the estimate, with
-    the ratio's gradient (:func:`algorithms.kl.importance_weighted_kl`).
+    the ratio's gradient (:func:`algorithms.kl.importance_weighted_kl`). With ``kl_estimator
+    == EXACT_KL`` the KL term is the engine's exact per-action KL (``inputs.kl``) instead of an
+    estimate from ``ref_logprobs`` (Flow-GRPO's closed form between Gaussian transitions).
 
     Metrics: ``loss``, ``pg_loss`` and ``kl_loss`` (with a KL estimator; the estimate before
     ``kl_coef``) aggregated as the loss is; token means over real tokens: ``clip_fraction`` (0
@@ -408,7 +425,12 @@ def compute_policy_loss(inputs: LossInputs, cfg: LossSettings) -> tuple[torch.Te
     pg_loss = aggregate_loss(torch.where(scored, per_token, 0.0), real, cfg.aggregation)
     loss = pg_loss
 
-    if cfg.kl_estimator is not None:
+    if cfg.kl_estimator == EXACT_KL:
+        assert inputs.kl is not None  # checked by _check_inputs
+        kl_loss = aggregate_loss(torch.where(scored, inputs.kl, 0.0), real, cfg.aggregation)
+        loss = loss + cfg.kl_coef * kl_loss
+        metrics["kl_loss"] = kl_loss.item()
+    elif cfg.kl_estimator is not None:
         assert inputs.ref_logprobs is not None  # checked by _check_inputs
         ref = torch.where(usable, inputs.ref_logprobs.detach(), 0.0)
         kl = compute_kl(cfg.kl_estimator, logprobs, ref)

@@ -21,6 +21,7 @@ __all__ = [
     "AlgorithmConfig",
     "ClusterConfig",
     "ConfigError",
+    "DiffusionConfig",
     "FakeEnginesConfig",
     "FaultSpec",
     "FlowConfig",
@@ -238,6 +239,48 @@ class RolloutConfig(_Model):
     """Top-k filter; 0 disables it."""
     stop: list[str] = Field(default_factory=list)
     """Stop strings that end a response."""
+    with_reward: bool = True
+    """Scoring runs per micro-batch of finished samples while the rest are still generated
+    (MM-GRPO's and GeRL's ``rollout.with_reward``); false: a rollout call delivers its samples
+    only once all of them are finished, so scoring waits for the whole batch (the image
+    workload implements false; text workflows always stream)."""
+
+
+class DiffusionConfig(_Model):
+    """The image workload (tasks of kind ``image``): Flow-GRPO's sampler and training (Liu et al. 2025)."""
+
+    train_steps: int = Field(10, ge=1)
+    """Denoising steps of a training sample; fewer than evaluation's is Flow-GRPO's denoising reduction."""
+    eval_steps: int = Field(20, ge=1)
+    """Denoising steps of a held-out evaluation sample (deterministic ODE sampling)."""
+    noise_level: float = Field(0.7, gt=0.0)
+    """``a`` in the SDE's ``sigma_t = a * sqrt(t / (1 - t))``: how much noise training samples explore with."""
+    guidance_scale: float = Field(1.5, ge=0.0)
+    """Classifier-free guidance ``w``, the same in sampling, evaluation and training (1 = no guidance)."""
+    sde_window: int | None = Field(None, ge=1)
+    """Flow-GRPO-Fast: SDE steps (the trained ones) on a window of this many consecutive steps per
+    prompt group, ODE steps elsewhere; None = SDE on every step (plain Flow-GRPO)."""
+    sde_window_latest_start: int | None = Field(None, ge=0)
+    """Flow-GRPO-Fast: each group's window starts at a step drawn uniformly from ``[0, this]``;
+    None = anywhere the window fits."""
+    max_pairs_per_micro_batch: int = Field(256, ge=1)
+    """(sample, step) pairs per forward/backward of the train engine (two transformer rows each under guidance)."""
+
+    @model_validator(mode="after")
+    def _window_fits(self) -> DiffusionConfig:
+        if self.sde_window is not None and self.sde_window > self.train_steps:
+            raise ValueError(f"diffusion.sde_window={self.sde_window} is longer than train_steps={self.train_steps}")
+        if self.sde_window_latest_start is not None:
+            if self.sde_window is None:
+                raise ValueError("diffusion.sde_window_latest_start needs diffusion.sde_window")
+            if self.sde_window_latest_start > self.train_steps - self.sde_window:
+                raise ValueError(
+                    f"diffusion.sde_window_latest_start must be <= train_steps - sde_window = "
+                    f"{self.train_steps - self.sde_window}, got {self.sde_window_latest_start}"
+                )
+        return self
+
+
 
 
 FAULT_ROLES = ("generate", "logp", "ref_logp", "reward", "train", "param_update")
@@ -420,11 +463,13 @@ class AlgorithmConfig(_Model):
     """cispo: IS-weight ceiling 1 + eps."""
     kimi15_tau: float = Field(0.1, ge=0.0)
     """kimi15: weight of the squared log-ratio penalty."""
-    kl_estimator: Literal["k1", "k2", "k3"] | None = None
+    kl_estimator: Literal["k1", "k2", "k3", "exact"] | None = None
     """KL estimator against the reference model, in the loss; None = no KL term. ``k1``'s gradient
-    is zero in expectation, so it is refused in the loss (see ``algorithms.kl``)."""
+    is zero in expectation, so it is refused in the loss (see ``algorithms.kl``). ``exact``: no
+    estimate but the KL the train engine computes in closed form against the initial weights
+    (the image workload: Flow-GRPO's KL between Gaussian transitions; needs no ref_logp stage)."""
     kl_coef: float = Field(0.0, ge=0.0)
-    """Weight of the KL term; > 0 needs kl_estimator and the ref_logp stage."""
+    """Weight of the KL term; > 0 needs kl_estimator and, unless it is ``exact``, the ref_logp stage."""
     kl_importance_weight: bool = False
     """Decoupled: weight the KL term by pi_theta / pi_behav (DeepSeek-V3.2's unbiased KL; with it
     k3's gradient is the reverse KL's off-policy too)."""
@@ -443,6 +488,8 @@ class AlgorithmConfig(_Model):
                 "algorithm.kl_estimator=k1 as a loss regularises nothing (its gradient is zero in "
                 "expectation); use k2 (the reverse KL's gradient) or k3"
             )
+        if self.kl_estimator == "exact" and self.kl_importance_weight:
+            raise ValueError("algorithm.kl_importance_weight re-weights a sampled KL estimate: not with kl_estimator=exact")
         if self.behaviour_weight_floor is not None and self.behaviour_weight_floor > self.behaviour_weight_cap:
             raise ValueError("algorithm.behaviour_weight_floor must not exceed behaviour_weight_cap")
         if not self.decoupled:
@@ -625,6 +672,8 @@ class TandemConfig(_Model):
     """Where the engines run: this process or a Ray cluster."""
     validation: ValidationConfig = ValidationConfig()
     """Held-out evaluation beside training."""
+    diffusion: DiffusionConfig = DiffusionConfig()
+    """Image sampling and training (used by the image workload only)."""
 
     @model_validator(mode="after")
     def _cross_checks(self) -> TandemConfig:
@@ -654,12 +703,16 @@ class TandemConfig(_Model):
                     "algorithm.decoupled needs recomputed log-probs: add 'logp' to flow.stages "
                     "or set algorithm.decoupled=false"
                 )
-            if algo.kl_coef > 0 and (algo.kl_estimator is None or "ref_logp" not in stages):
+            exact = algo.kl_estimator == "exact"  # the train engine holds the reference itself
+            if algo.kl_coef > 0 and (algo.kl_estimator is None or ("ref_logp" not in stages and not exact)):
                 raise ValueError(
                     "algorithm.kl_coef > 0 needs algorithm.kl_estimator and the 'ref_logp' stage (a reference model)"
                 )
-            if "ref_logp" in stages and algo.kl_coef == 0:
-                raise ValueError("flow.stages has ref_logp but algorithm.kl_coef is 0: the reference would go unused")
+            if "ref_logp" in stages and (algo.kl_coef == 0 or exact):
+                raise ValueError(
+                    "flow.stages has ref_logp but the loss takes no KL from it (kl_coef is 0 or kl_estimator is exact): "
+                    "the reference would go unused"
+                )
         return self
 
     @model_validator(mode="after")

@@ -37,11 +37,14 @@ WORKLOADS: dict[tuple[str, str], str] = {
     ("fake", "text"): "engines.fake:build_fake_components",
     ("torch", "text"): "engines.torch_components:build_torch_components",
     ("ray", "text"): "engines.ray_components:build_ray_components",
+    ("torch", "image"): "engines.diffusion.components:build_image_components",
+    ("ray", "image"): "engines.diffusion.ray_backend:build_ray_image_components",
 }
 
 # How each kind's trajectories are shown to reward functions.
 RENDERERS: dict[str, Callable[[Trajectory], Any]] = {
     "text": lambda trajectory: trajectory.payload.text,
+    "image": lambda trajectory: trajectory.payload.image,  # numpy [C, H, W] (engines.diffusion.payload)
 }
 
 
@@ -101,6 +104,8 @@ def build_components(config: TandemConfig) -> Components:
             f"task {task.name!r} produces {kind} trajectories, which engines.type={backend!r} does not run; "
             f"workloads: {sorted(WORKLOADS)}"
         )
+    if not config.rollout.with_reward and kind != "image":
+        raise ConfigError(f"rollout.with_reward=false: the {kind} workflows always stream (the image workload implements it)")
     config = with_task_model(config, task)
     items = training_items(config, task)
     reward = build_reward(config, task, kind)

@@ -10,9 +10,9 @@ from types import ModuleType
 import pytest
 
 import algorithms
-from algorithms import advantages, batch, corrections, gae, kl, losses, objective, prox, shaping
+from algorithms import advantages, batch, corrections, flow_grpo, gae, kl, losses, objective, prox, shaping
 
-MODULES = [algorithms, advantages, batch, corrections, gae, kl, losses, objective, prox, shaping]
+MODULES = [algorithms, advantages, batch, corrections, flow_grpo, gae, kl, losses, objective, prox, shaping]
 
 
 @pytest.mark.parametrize("module", MODULES, ids=lambda m: m.__name__)

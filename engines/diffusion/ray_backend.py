@@ -1,0 +1,240 @@
+"""The image workload on Ray: its rollout and train engines as Ray actors, driven by the same flow.
+
+What it owns: the two actor classes that host the diffusion engines
+(:class:`DiffusionRolloutActor`, :class:`DiffusionTrainerActor`) and the builder that places
+them. Everything else is the text workload's Ray backend, reused as it is
+(``engines.ray_components``): the cluster connection and placement plan, the proxies the
+flow awaits (a rollout call's groups split between rollout actors and their streams merged,
+the trainer, the reward), weight sync through the object store or a gloo group, and the
+reward actor (``engines.ray_actors.RewardActor``), which is the served judge here: one
+process hosting the task's reward, shared by every caller (the reward and validate roles).
+
+The actors differ from the text ones only in the engine they build and in the final export;
+the weight-sync endpoints and methods are the same, so ``RayWeightSync`` drives them unchanged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import os
+import socket
+import threading
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import ray
+import structlog
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from core.components import Components, TaskSetup
+from core.config import TandemConfig
+from core.protocols import LossObjective, SyncReport
+from core.records import Trajectory
+from core.resources import ActorPlacement
+from engines.diffusion.components import check_image_config, image_workflow
+from engines.diffusion.rollout import DenoiseRequest
+from engines.ray_actors import RewardActor
+from engines.ray_components import (
+    ActorRef,
+    RayReward,
+    RayRolloutEngine,
+    RayTrainEngine,
+    RayWeightSync,
+    cluster_plan,
+    connect,
+)
+from param_sync.bucket import BucketHeader, Manifest
+from param_sync.receiver import LoadReport, Receiver
+from param_sync.transports.object_store import ObjectStoreEndpoint, ObjectStoreTransport, RemoteReceiver
+
+__all__ = ["DiffusionRolloutActor", "DiffusionTrainerActor", "build_ray_image_components"]
+
+log = structlog.get_logger("tandem.ray")
+_GLOO_TIMEOUT = datetime.timedelta(minutes=2)
+
+
+# As the text rollout actor: weight-sync calls run on a loop of their own ("weights"), so a load never
+# stalls the streaming of images.
+@ray.remote(concurrency_groups={"weights": 1024})
+class DiffusionRolloutActor:
+    def __init__(self, config: TandemConfig, name: str, num_threads: int) -> None:
+        from engines.diffusion.components import image_rollout_engine
+
+        self.name = name
+        self.engine = image_rollout_engine(config, num_threads)
+        self.receiver = Receiver(self.engine.target, consume_bucket_mb=config.param_sync.consume_bucket_mb, engine=name)
+        self.endpoint = ObjectStoreEndpoint(self.receiver)
+
+    async def ready(self) -> tuple[int, int]:
+        """(process id, loaded version): a new pid means the actor was restarted."""
+        return os.getpid(), self.engine.version
+
+    async def generate(self, requests: Sequence[DenoiseRequest]) -> AsyncIterator[Trajectory]:
+        async for trajectory in self.engine.generate(requests):
+            yield trajectory
+
+    async def join_dist(self, address: str, rank: int, world_size: int) -> None:
+        from param_sync import serve_dist
+
+        await asyncio.to_thread(_init_gloo, address, rank, world_size)
+        threading.Thread(target=serve_dist, args=(self.receiver,), name="dist-serve", daemon=True).start()
+
+    @ray.method(concurrency_group="weights")
+    async def begin(self, transfer: int, manifest: Manifest) -> None:
+        await self.endpoint.begin(transfer, manifest)
+
+    @ray.method(concurrency_group="weights")
+    async def bucket(self, transfer: int, index: int, header: BucketHeader, chunk: np.ndarray) -> None:
+        await self.endpoint.bucket(transfer, index, header, chunk)
+
+    @ray.method(concurrency_group="weights")
+    async def end(self, transfer: int, index: int) -> LoadReport:
+        return await self.endpoint.end(transfer, index)
+
+    @ray.method(concurrency_group="weights")
+    async def abort(self, transfer: int, index: int, reason: str) -> LoadReport:
+        return await self.endpoint.abort(transfer, index, reason)
+
+
+@ray.remote
+class DiffusionTrainerActor:
+    def __init__(self, config: TandemConfig, num_threads: int) -> None:
+        from engines.diffusion.components import image_train_engine
+
+        self.config = config
+        self.engine = image_train_engine(config, num_threads)
+        self.weight_sync: Any = None
+
+    async def ready(self) -> tuple[int, int]:
+        return os.getpid(), self.engine.version
+
+    async def connect(self, rollouts: list[tuple[str, Any]]) -> None:
+        """Sync weights through the object store to these rollout actors, as (name, handle) pairs."""
+        self._sync_over(ObjectStoreTransport([RemoteReceiver(name, handle) for name, handle in rollouts]))
+
+    async def dist_address(self) -> str:
+        """A rendezvous address on this actor's node for a gloo group it leads."""
+        host = ray.util.get_node_ip_address()
+        with socket.socket() as probe:
+            probe.bind((host, 0))
+            port = probe.getsockname()[1]
+        return f"tcp://{host}:{port}"
+
+    async def connect_dist(self, address: str, world_size: int) -> None:
+        from param_sync import DistTransport
+
+        await asyncio.to_thread(_init_gloo, address, 0, world_size)
+        self._sync_over(DistTransport(src=0))
+
+    def _sync_over(self, transport: Any) -> None:
+        from engines.torch_sync import TorchWeightSync, TrainerSyncSource
+        from param_sync import ParamSyncer
+
+        source = TrainerSyncSource(self.engine)  # type: ignore[arg-type]
+        syncer = ParamSyncer(source, transport, produce_bucket_mb=self.config.param_sync.produce_bucket_mb)
+        self.weight_sync = TorchWeightSync(source, syncer)
+
+    async def train_step(self, batch: Sequence[Trajectory], objective: LossObjective) -> tuple[dict[str, float], int]:
+        metrics = await self.engine.train_step(batch, objective)
+        return metrics, self.engine.version
+
+    async def logprobs(self, trajectories: Sequence[Trajectory]) -> list[list[float]]:
+        return await self.engine.logprobs(trajectories)
+
+    async def sync(self, version: int) -> SyncReport:
+        return await self.weight_sync.sync(version)
+
+    async def save_state(self, folder: str) -> None:
+        await self.engine.save_state(Path(folder))
+
+    async def load_state(self, folder: str) -> tuple[int, int]:
+        await self.engine.load_state(Path(folder))
+        return os.getpid(), self.engine.version
+
+    async def save_checkpoint(self, folder: str) -> None:
+        await self.engine.export(Path(folder))
+
+
+def _init_gloo(address: str, rank: int, world_size: int) -> None:
+    import torch.distributed as dist
+
+    # A peer that died mid-broadcast fails the collective after this long, not gloo's 30 min.
+    dist.init_process_group("gloo", init_method=address, rank=rank, world_size=world_size, timeout=_GLOO_TIMEOUT)
+
+
+def _threads(config: TandemConfig, placement: ActorPlacement) -> int:
+    spec = check_image_config(config)
+    chosen = spec.generation_threads if placement.role == "generate" else spec.train_threads
+    return chosen or len(placement.slots)
+
+
+def build_ray_image_components(config: TandemConfig, setup: TaskSetup) -> Components:
+    """Start (or join) the cluster, place the image workload's actors, and hand back their proxies.
+
+    One rollout actor per ``generate`` slot, one trainer over the ``train`` slots (logp shares
+    it), the reward actor beside them; roles sharing slots take turns under one lock. ``close()``
+    kills every actor started here, removes the placement group, and stops a cluster it started.
+    """
+    check_image_config(config)
+    started_ray = connect(config)
+    handles: list[Any] = []
+    group = None
+
+    def close() -> None:
+        for handle in handles:
+            ray.kill(handle, no_restart=True)
+        if group is not None:
+            remove_placement_group(group)
+        if started_ray:
+            ray.shutdown()
+
+    try:
+        plan = cluster_plan(config)
+        if "ref_logp" in plan.roles:
+            raise ValueError("the image workload has no ref_logp actor: its KL is exact (algorithm.kl_estimator=exact)")
+        slots = plan.used_slots
+        group = placement_group([{plan.device: 1.0} for _ in slots], strategy="PACK")
+        restarts = config.cluster.max_actor_restarts
+        rollout_actors: list[ActorRef] = []
+        trainer: ActorRef | None = None
+        for placement in plan.actors():
+            amount = {"num_gpus": placement.share, "num_cpus": 0} if plan.device == "GPU" else {"num_cpus": placement.share}
+            options = {"scheduling_strategy": PlacementGroupSchedulingStrategy(group, slots.index(placement.slot)), **amount}
+            if placement.role == "generate":
+                handle = DiffusionRolloutActor.options(max_restarts=restarts, **options).remote(
+                    config, placement.name, _threads(config, placement)
+                )
+                rollout_actors.append(ActorRef("generate", placement.name, handle, restartable=restarts > 0))
+            else:
+                handle = DiffusionTrainerActor.options(**options).remote(config, _threads(config, placement))
+                trainer = ActorRef("train", placement.name, handle)
+            handles.append(handle)
+        # The reward reserves no slot: its functions run in its own worker processes (or inline in it).
+        reward_handle = RewardActor.options(num_cpus=0, max_restarts=restarts).remote(setup.reward)
+        handles.append(reward_handle)
+    except BaseException:
+        close()
+        raise
+    assert trainer is not None
+    rollout = RayRolloutEngine(rollout_actors)
+    weight_sync = RayWeightSync(trainer, rollout, config.cluster.weight_transport)
+    rollout.resync = weight_sync.reload
+    log.info("ray image engines placed", device=plan.device, slots={role: list(s) for role, s in plan.roles.items()})
+
+    async def checkpoint(folder: Path) -> None:
+        await trainer.call(trainer.handle.save_checkpoint.remote(str(folder)))
+
+    return Components(
+        prompts=setup.items,
+        held_out=setup.task.held_out,
+        workflow=image_workflow(config, rollout),
+        trainer=RayTrainEngine(trainer),
+        reward=RayReward(ActorRef("reward", "reward", reward_handle, restartable=restarts > 0)),
+        weight_sync=weight_sync,
+        close_callbacks=[close],
+        save_checkpoint=checkpoint,
+    )
