@@ -13,7 +13,8 @@ $(STAMP): pyproject.toml
 	$(PIP) install --quiet --upgrade pip
 	# torch's CPU build first, from the wheel on these machines: an unpinned torch pulls CUDA.
 	$(PIP) install --quiet torch==2.13.0
-	$(PIP) install --quiet -e ".[torch,dev,ray]"
+	# megatron-core (numpy, packaging, torch) too, so its CPU tests run rather than skip.
+	$(PIP) install --quiet -e ".[torch,dev,ray,megatron]"
 	touch $(STAMP)
 
 install: $(STAMP)

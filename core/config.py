@@ -404,8 +404,21 @@ class TorchEnginesConfig(_Model):
     train_threads: int | None = Field(None, ge=1)
     """CPU threads of the trainer (and the logp role, which shares it); default as above."""
     train_world_size: int = Field(1, ge=1)
-    """Data-parallel trainer ranks (torch.distributed over gloo, CPU): rank 0 in this process,
-    the others in spawned processes; each rank uses ``train_threads`` threads."""
+    """Trainer ranks (torch.distributed: gloo on CPU, NCCL on GPU); each rank uses
+    ``train_threads`` threads. How they split the work: ``train`` and ``data_parallel``.
+    On Ray a trainer group has one rank actor per train slot: give as many slots."""
+    train: Literal["torch", "megatron"] = "torch"
+    """The train engine: ``torch`` (the transformers model itself) or ``megatron`` (a megatron-core
+    ``GPTModel`` converted from the HF checkpoint, Llama/Qwen2 only, needs the ``megatron`` extra;
+    its ranks are ``tensor_parallel_size`` x data parallel, each a process of its own)."""
+    data_parallel: Literal["ddp", "fsdp2"] = "ddp"
+    """``train: torch`` with several ranks: ``ddp`` (rank 0 in this process, full replicas in spawned
+    processes, one flat gradient all-reduce; CPU, local only) or ``fsdp2`` (torch FSDP2
+    ``fully_shard``: every rank a process of its own, or a Ray actor, holding 1/N of the weights,
+    gradients and optimizer state; also with one rank)."""
+    tensor_parallel_size: int = Field(1, ge=1)
+    """``train: megatron``: ranks that split each weight (megatron's tensor parallelism); the
+    data-parallel size is ``train_world_size / tensor_parallel_size``."""
     lr: float = Field(1e-4, gt=0)
     """AdamW learning rate."""
     weight_decay: float = Field(0.0, ge=0)
@@ -416,6 +429,27 @@ class TorchEnginesConfig(_Model):
     """Gradient-norm clip."""
     max_tokens_per_micro_batch: int = Field(4096, ge=1)
     """Token budget of one forward/backward micro-batch (padding included)."""
+
+    @model_validator(mode="after")
+    def _parallel_layout(self) -> TorchEnginesConfig:
+        if self.train == "megatron" and self.data_parallel != "ddp":
+            raise ValueError("engines.data_parallel applies to engines.train=torch; megatron's ranks are its own")
+        if self.tensor_parallel_size > 1 and self.train != "megatron":
+            raise ValueError("engines.tensor_parallel_size > 1 needs engines.train=megatron")
+        if self.train_world_size % self.tensor_parallel_size:
+            raise ValueError(
+                f"engines.train_world_size={self.train_world_size} is not a multiple of "
+                f"engines.tensor_parallel_size={self.tensor_parallel_size}"
+            )
+        return self
+
+    @property
+    def trainer_group(self) -> str | None:
+        """The rank engine of ``engines.trainer_group`` this config trains with, or None
+        (``TorchTrainEngine``, with ``engines.torch_ddp`` ranks when ``train_world_size > 1``)."""
+        if self.train == "megatron":
+            return "megatron"
+        return "fsdp2" if self.data_parallel == "fsdp2" else None
 
 
 EnginesConfig = Annotated[FakeEnginesConfig | TorchEnginesConfig, Field(discriminator="type")]
@@ -752,8 +786,16 @@ class TandemConfig(_Model):
             return
         if self.engines.type != "torch":
             raise ValueError("cluster.backend=ray runs the torch engines as actors: needs engines.type=torch")
-        if self.engines.train_world_size != 1:
-            raise ValueError("cluster.backend=ray: engines.train_world_size must be 1 (the trainer is one actor)")
+        if self.engines.trainer_group is None and self.engines.train_world_size != 1:
+            raise ValueError(
+                "cluster.backend=ray: engines.train_world_size > 1 needs a trainer group of rank actors "
+                "(engines.data_parallel=fsdp2 or engines.train=megatron); ddp's trainer is one actor"
+            )
+        if self.engines.trainer_group is not None and cluster.weight_transport == "dist":
+            raise ValueError(
+                "cluster.weight_transport=dist: a trainer group's ranks hold torch.distributed's default "
+                "group already; use object_store"
+            )
         if cluster.max_actor_restarts > 0 and cluster.weight_transport == "dist":
             raise ValueError(
                 "cluster.weight_transport=dist needs cluster.max_actor_restarts=0: "

@@ -13,6 +13,9 @@ their blocking compute on their own worker threads, never on the actor's event l
 - :class:`TrainerActor`: the trained policy (``TorchTrainEngine``) and the trainer end of weight sync
   (``TorchWeightSync`` over an :class:`ObjectStoreTransport` to the rollout actors, or over a
   ``DistTransport`` broadcasting to them in a gloo group, where they serve it on a thread).
+- :class:`TrainRankActor`: one rank of a trainer group (``engines.trainer_group``: FSDP2 or
+  megatron-core), one per train slot; the flow drives the group from its own process, and rank 0
+  sends the group's gathered weights to the rollout actors through the object store.
 - :class:`ReferenceActor`: the frozen reference model; :class:`RewardActor`: the task's reward.
 
 Trajectories cross as pickled records; an actor's changes to them stay on its side, and
@@ -44,7 +47,7 @@ from param_sync.transports.object_store import (
     RemoteReceiver,
 )
 
-__all__ = ["ReferenceActor", "RewardActor", "RolloutActor", "TrainerActor"]
+__all__ = ["ReferenceActor", "RewardActor", "RolloutActor", "TrainRankActor", "TrainerActor"]
 
 _GLOO_TIMEOUT = datetime.timedelta(minutes=2)
 
@@ -158,6 +161,60 @@ class TrainerActor:
         from engines.torch_components import save_checkpoint
 
         await asyncio.to_thread(save_checkpoint, self.engine, self.tokenizer, Path(folder))
+
+
+@ray.remote(concurrency_groups={"weights": 1})
+class TrainRankActor:
+    """One rank of a trainer group (``engines.trainer_group.RankServer``), computing on a worker
+    thread of its own (one thread: a CUDA device and torch's thread budget are per thread). Rank 0
+    also sends the group's staged weights to the rollout actors, in the ``weights`` group, while
+    the ranks train on."""
+
+    def __init__(self, config: TandemConfig, num_threads: int) -> None:
+        from engines.threads import budgeted_executor
+
+        _quiet()
+        self.config = config
+        self.worker = budgeted_executor("train-rank", num_threads)
+        self.server: Any = None
+        self.weight_sync: Any = None
+
+    async def ready(self) -> tuple[int, int]:
+        return os.getpid(), self.server.version if self.server is not None else 0
+
+    async def address(self) -> str:
+        """A rendezvous address on this actor's node (rank 0's) for the group's process group."""
+        from engines.trainer_group import free_address
+
+        return free_address(ray.util.get_node_ip_address())
+
+    async def start(self, spec: Any, rank: int, world_size: int, init_method: str) -> object:
+        """Build the rank and join the group; ``Ready``, or ``Failed`` with the traceback."""
+        from engines.trainer_group import start_rank
+
+        def build() -> object:
+            self.server, reply = start_rank(spec, rank=rank, world_size=world_size, init_method=init_method, local=False)
+            return reply
+
+        return await asyncio.wrap_future(self.worker.submit(build))
+
+    async def handle(self, message: object) -> object:
+        return await asyncio.wrap_future(self.worker.submit(self.server.handle, message))
+
+    @ray.method(concurrency_group="weights")
+    async def connect(self, rollouts: list[tuple[str, Any]]) -> None:
+        """Rank 0: sync the staged weights through the object store to these rollout actors."""
+        from engines.torch_sync import TorchWeightSync, TrainerSyncSource
+        from param_sync import ParamSyncer
+
+        source = TrainerSyncSource(self.server)  # the staged weights, under the staging lock
+        transport = ObjectStoreTransport([RemoteReceiver(name, handle) for name, handle in rollouts])
+        syncer = ParamSyncer(source, transport, produce_bucket_mb=self.config.param_sync.produce_bucket_mb)
+        self.weight_sync = TorchWeightSync(source, syncer)
+
+    @ray.method(concurrency_group="weights")
+    async def sync(self, version: int) -> SyncReport:
+        return await self.weight_sync.sync(version)
 
 
 def _quiet() -> None:

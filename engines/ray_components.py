@@ -27,10 +27,11 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import ray
 import structlog
@@ -43,11 +44,14 @@ from ray.util.placement_group import (
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from core.components import Components, TaskSetup
-from core.config import TandemConfig, TorchEnginesConfig
+from core.config import ConfigError, TandemConfig, TorchEnginesConfig
 from core.protocols import GenerationRequest, LossObjective, RewardResult, SyncReport
 from core.records import PromptGroup, Trajectory
 from core.resources import ActorPlacement, ResourcePlan, plan_resources
-from engines.ray_actors import ReferenceActor, RewardActor, RolloutActor, TrainerActor
+from engines.ray_actors import ReferenceActor, RewardActor, RolloutActor, TrainerActor, TrainRankActor
+
+if TYPE_CHECKING:
+    from engines.trainer_group import TrainerGroup
 
 __all__ = [
     "ActorFailedError",
@@ -253,11 +257,21 @@ class RayReward:
 
 class RayWeightSync:
     """``WeightSync``: the trainer actor gathers into its dual buffer and ships each bucket to
-    every rollout actor, through the object store or by gloo broadcast (``transport``)."""
+    every rollout actor, through the object store or by gloo broadcast (``transport``).
 
-    def __init__(self, trainer: ActorRef, rollout: RayRolloutEngine, transport: str) -> None:
+    A trainer group's rank 0 is the trainer actor here: ``stage`` (``TrainerGroup.stage``) first
+    gathers the group's weights into rank 0's staging, which rank 0 then ships."""
+
+    def __init__(
+        self,
+        trainer: ActorRef,
+        rollout: RayRolloutEngine,
+        transport: str,
+        stage: Callable[[], Awaitable[int]] | None = None,
+    ) -> None:
         self.trainer = trainer
         self.rollout = rollout
+        self._stage = stage
         handle = trainer.handle
         if transport == "dist":
             # The address ref is passed on unresolved: Ray hands each call its value.
@@ -273,6 +287,8 @@ class RayWeightSync:
 
     async def sync(self, version: int) -> SyncReport:
         await self._connected()
+        if self._stage is not None:
+            await self._stage()
         try:
             report: SyncReport = await self.trainer.call(self.trainer.handle.sync.remote(version))
         except ActorFailedError:
@@ -288,6 +304,8 @@ class RayWeightSync:
     async def reload(self) -> None:
         """Load the trainer's current weights into every rollout actor (after a restart)."""
         await self._connected()
+        if self._stage is not None:
+            await self._stage()
         report: SyncReport = await self.trainer.call(self.trainer.handle.sync.remote(0))
         self.rollout.loaded(report.version)
 
@@ -337,6 +355,37 @@ def _threads(config: TandemConfig, placement: ActorPlacement) -> int:
     return chosen or len(placement.slots)
 
 
+def _one_placement_per_rank(config: TandemConfig, placements: list[ActorPlacement]) -> list[ActorPlacement]:
+    """A trainer group's train placement as one placement per slot (rank ``r`` in the ``r``-th train
+    slot), every slot's bundle split evenly again among the actors now sitting on it."""
+    spec = config.engines
+    assert isinstance(spec, TorchEnginesConfig)
+    placed: list[tuple[str, str, int, tuple[int, ...]]] = []
+    for p in placements:
+        if p.role != "train":
+            placed.append((p.role, p.name, p.slot, p.slots))
+            continue
+        if spec.train_world_size != len(p.slots):
+            raise ConfigError(
+                f"engines.train_world_size={spec.train_world_size}: a trainer group on Ray has one rank per train "
+                f"slot, and cluster gives train {len(p.slots)} ({list(p.slots)})"
+            )
+        placed += [(p.role, f"train-rank{rank}", slot, (slot,)) for rank, slot in enumerate(p.slots)]
+    per_slot = Counter(slot for _, _, slot, _ in placed)
+    return [ActorPlacement(role, name, slot, 1.0 / per_slot[slot], slots) for role, name, slot, slots in placed]
+
+
+def _trainer_group(config: TandemConfig, ranks: list[ActorRef]) -> TrainerGroup:
+    """Start the rank actors as one trainer group (waits until every rank has joined)."""
+    from engines.torch_components import resolve_model_path
+    from engines.trainer_group import RankSpec, RayRanks, TrainerGroup
+
+    spec = config.engines
+    assert isinstance(spec, TorchEnginesConfig)
+    ranks_spec = RankSpec.from_config(config, str(resolve_model_path(spec.model_path)), spec.train_threads or 1)
+    return TrainerGroup(RayRanks([r.handle for r in ranks], ranks_spec), ranks_spec)
+
+
 def build_ray_components(config: TandemConfig, setup: TaskSetup) -> Components:
     """Start (or join) the cluster, place the actors, and hand back their proxies.
 
@@ -365,6 +414,8 @@ def build_ray_components(config: TandemConfig, setup: TaskSetup) -> Components:
         slots = plan.used_slots
         cluster.group = placement_group([{plan.device: 1.0} for _ in slots], strategy="PACK")
         placements = plan.actors()
+        if spec.trainer_group is not None:
+            placements = _one_placement_per_rank(config, placements)
         restarts = config.cluster.max_actor_restarts
         actors: dict[str, list[ActorRef]] = {}
         for placement in placements:
@@ -373,7 +424,9 @@ def build_ray_components(config: TandemConfig, setup: TaskSetup) -> Components:
                 "scheduling_strategy": PlacementGroupSchedulingStrategy(cluster.group, slots.index(placement.slot)),
                 **amount,
             }
-            if placement.role == "generate":
+            if placement.role == "train" and spec.trainer_group is not None:  # never restarted: state would be lost
+                handle = TrainRankActor.options(**options).remote(config, spec.train_threads or 1)
+            elif placement.role == "generate":
                 handle = RolloutActor.options(max_restarts=restarts, **options).remote(
                     config, placement.name, _threads(config, placement)
                 )
@@ -388,12 +441,13 @@ def build_ray_components(config: TandemConfig, setup: TaskSetup) -> Components:
         reward_actor = RewardActor.options(num_cpus=0, max_restarts=restarts).remote(setup.reward)
         reward = ActorRef("reward", "reward", reward_actor, restartable=restarts > 0)
         cluster.actors.append(reward)
+        group = _trainer_group(config, actors["train"]) if spec.trainer_group is not None else None
     except BaseException:
         cluster.close()
         raise
-    trainer = actors["train"][0]
+    trainer = actors["train"][0]  # a trainer group's rank 0, which ships the group's weights
     rollout = RayRolloutEngine(actors["generate"])
-    weight_sync = RayWeightSync(trainer, rollout, config.cluster.weight_transport)
+    weight_sync = RayWeightSync(trainer, rollout, config.cluster.weight_transport, group.stage if group else None)
     rollout.resync = weight_sync.reload
     log.info(
         "ray engines placed",
@@ -403,17 +457,21 @@ def build_ray_components(config: TandemConfig, setup: TaskSetup) -> Components:
     )
 
     async def checkpoint(folder: Path) -> None:
-        await trainer.call(trainer.handle.save_checkpoint.remote(str(folder)))
+        if group is None:
+            await trainer.call(trainer.handle.save_checkpoint.remote(str(folder)))
+            return
+        await asyncio.to_thread(group.save_pretrained, folder)  # written by rank 0
+        await asyncio.to_thread(tokenizer.save_pretrained, folder)
 
     return Components(
         prompts=tokenized(setup.items, tokenizer),
         held_out=tokenized_held_out(setup.task, tokenizer),
         workflow=SingleTurnWorkflow(rollout, sampling_params(config)),
-        trainer=RayTrainEngine(trainer),
+        trainer=group if group is not None else RayTrainEngine(trainer),
         reward=RayReward(reward),
         weight_sync=weight_sync,
         reference=RayLogProbEngine(actors["ref_logp"][0]) if "ref_logp" in actors else None,
-        close_callbacks=[cluster.close],
+        close_callbacks=([group.close] if group is not None else []) + [cluster.close],
         save_checkpoint=checkpoint,
         max_prompt_tokens=max_prompt_tokens,
     )

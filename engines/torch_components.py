@@ -20,7 +20,7 @@ import os
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -34,6 +34,9 @@ from engines.text_workflow import SingleTurnWorkflow
 from engines.tokenizer import load_tokenizer
 from engines.torch_sync import TorchWeightSync
 from engines.torch_train import TorchLogProbEngine, TorchTrainEngine
+
+if TYPE_CHECKING:
+    from engines.trainer_group import TrainerGroup
 
 __all__ = [
     "build_torch_components",
@@ -106,10 +109,16 @@ def rollout_engine(config: TandemConfig, num_threads: int) -> HFRolloutEngine:
     )
 
 
-def train_engine(config: TandemConfig, num_threads: int) -> TorchTrainEngine:
-    """The trained policy a torch config describes, computing on ``num_threads`` threads per rank."""
+def train_engine(config: TandemConfig, num_threads: int) -> TorchTrainEngine | TrainerGroup:
+    """The trained policy a torch config describes, computing on ``num_threads`` threads per rank:
+    a group of rank processes (``engines.trainer_group``) for FSDP2 and megatron, else ``TorchTrainEngine``."""
     spec = config.engines
     assert isinstance(spec, TorchEnginesConfig)
+    if spec.trainer_group is not None:
+        from engines.trainer_group import RankSpec, TrainerGroup  # only group runs pay for it
+
+        ranks = RankSpec.from_config(config, str(resolve_model_path(spec.model_path)), num_threads)
+        return TrainerGroup.local(ranks, spec.train_world_size)
     return TorchTrainEngine(
         str(resolve_model_path(spec.model_path)), lr=spec.lr, device=spec.device, dtype=_DTYPES[spec.dtype],
         temperature=config.rollout.temperature, weight_decay=spec.weight_decay, warmup_steps=spec.warmup_steps,
@@ -159,13 +168,15 @@ def prompt_budget(config: TandemConfig, tokenizer: Any) -> int:
     return budget
 
 
-def save_checkpoint(engine: TorchTrainEngine, tokenizer: Any, folder: Path) -> None:
+def save_checkpoint(engine: TorchTrainEngine | TrainerGroup, tokenizer: Any, folder: Path) -> None:
     """Export the trainer's weights and tokenizer, loadable by ``from_pretrained``. The
     optimizer and everything else a resume needs are in the run's resumable checkpoints
     (``core.checkpoint``), not here."""
-    state = engine.state_dict()
     folder.mkdir(parents=True, exist_ok=True)
-    engine.model.save_pretrained(folder, state_dict=state["model"])
+    if isinstance(engine, TorchTrainEngine):
+        engine.model.save_pretrained(folder, state_dict=engine.state_dict()["model"])
+    else:
+        engine.save_pretrained(folder)  # gathered from the ranks, written by rank 0
     tokenizer.save_pretrained(folder)
 
 

@@ -1,0 +1,120 @@
+"""Trainer groups in the flow: the default job on FSDP2 and megatron ranks, a rank killed mid-run, a resume with fewer ranks, Ray.
+
+Short runs of the shipped arithmetic model (tied Llama) on a reduced budget: what is checked
+is that the group is the flow's one train engine (versions, checkpoints, weight syncs, the HF
+export), not that reward rises (``test_torch_flow.py`` shows that for the same engines' math).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+from transformers import AutoModelForCausalLM
+
+from core.config import TandemConfig, apply_overrides, validate_config
+from core.protocols import LossObjective
+from core.records import Trajectory
+from engines.trainer_group import TrainerGroup
+from param_sync import unique_weights
+from pipeline import AsyncTrainingFlow
+from pipeline.builders import build_components
+from tasks.arithmetic import MODEL_DIR
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.timeout(900),
+    pytest.mark.skipif(not (MODEL_DIR / "config.json").is_file(), reason="the shipped model is missing"),
+]
+
+
+def short_job(tmp_path: Path, *overrides: str) -> TandemConfig:
+    """The default job, a few small steps, one thread per engine and rank."""
+    data = yaml.safe_load(Path("configs/default.yaml").read_text())
+    data.pop("validation", None)
+    settings = [
+        "train.prompts_per_step=4", "rollout.samples_per_prompt=4", "rollout.max_new_tokens=24",
+        "engines.generation_threads=1", "engines.train_threads=1", "observability.metrics_port=null",
+        "observability.trace=false", f"run.output_dir={tmp_path}", *overrides,
+    ]  # fmt: skip
+    return validate_config(apply_overrides(data, settings), "configs/default.yaml")
+
+
+def run(config: TandemConfig, components: Any = None) -> Any:
+    return asyncio.run(AsyncTrainingFlow(config, components).run())
+
+
+def rank_processes(besides: Sequence[multiprocessing.process.BaseProcess] = ()) -> list[Any]:
+    return [p for p in multiprocessing.active_children() if p.name.startswith("tandem-train-rank") and p not in besides]
+
+
+def test_a_killed_fsdp2_rank_stops_the_run_naming_it_and_one_rank_resumes_from_its_checkpoint(tmp_path: Path) -> None:
+    others = rank_processes()
+    cfg = short_job(tmp_path, "run.name=fsdp2", "run.max_steps=4", "run.save_steps=1", "engines.data_parallel=fsdp2",
+                    "engines.train_world_size=2")  # fmt: skip
+    components = build_components(cfg)
+    assert isinstance(components.trainer, TrainerGroup) and components.trainer.size == 2
+    inner = components.trainer.train_step
+
+    async def train_step(batch: Sequence[Trajectory], objective: LossObjective) -> dict[str, float]:
+        if components.trainer.version == 2:  # steps 0 and 1 done and checkpointed
+            rank1 = next(p for p in rank_processes(besides=others) if p.name == "tandem-train-rank1")
+            rank1.kill()
+            rank1.join()
+        return await inner(batch, objective)
+
+    components.trainer.train_step = train_step
+    try:
+        with pytest.raises(Exception, match="train rank 1 died"):
+            run(cfg, components)
+    finally:
+        components.close()
+    assert rank_processes(besides=others) == []  # closing the group stopped the surviving rank
+    checkpoints = sorted(p.name for p in (tmp_path / "fsdp2" / "checkpoints").iterdir())
+    assert checkpoints[-1] == "step_00000002"
+
+    resumed = short_job(tmp_path, "run.name=fsdp2", "run.max_steps=4", "run.resume=true", "engines.data_parallel=fsdp2")
+    result = run(resumed)
+    assert result.resumed_from_version == 2 and result.final_version == 4
+    assert [s.step for s in result.steps][-2:] == [2, 3]
+    assert result.syncs and max(s.version for s in result.syncs) >= 3  # the resumed rank's weights reached the rollout
+
+
+def test_megatron_ranks_train_the_default_job_export_it_and_resume_on_one_rank(tmp_path: Path) -> None:
+    pytest.importorskip("megatron.core", reason="megatron-core is an optional extra: pip install tandem[megatron]")
+    megatron = ["run.name=megatron", "engines.train=megatron"]
+    cfg = short_job(tmp_path, *megatron, "run.max_steps=2", "engines.train_world_size=2", "engines.tensor_parallel_size=2")
+    result = run(cfg)
+    assert result.final_version == 2 and [s.version for s in result.syncs] == sorted(s.version for s in result.syncs)
+    export = tmp_path / "megatron" / "checkpoint"
+    exported = unique_weights(AutoModelForCausalLM.from_pretrained(export))
+    shipped = unique_weights(AutoModelForCausalLM.from_pretrained(MODEL_DIR))
+    assert exported.keys() == shipped.keys()  # tied: the head travels as the embedding
+    assert any(not torch.equal(exported[name], shipped[name]) for name in shipped)  # trained
+
+    resumed = run(short_job(tmp_path, *megatron, "run.max_steps=3", "run.resume=true"))
+    assert resumed.resumed_from_version == 2 and resumed.final_version == 3
+
+
+def test_on_ray_a_group_of_two_fsdp2_train_actors_runs_the_default_job(ray_cluster: Any, tmp_path: Path) -> None:
+    cfg = short_job(
+        tmp_path, "run.name=ray_group", "run.max_steps=3", "cluster.backend=ray", "engines.data_parallel=fsdp2",
+        "engines.train_world_size=2", "cluster.device_mapping={train: [0, 1], generate: [1]}",
+    )  # fmt: skip
+    components = build_components(cfg)
+    try:
+        group = components.trainer
+        assert isinstance(group, TrainerGroup) and group.size == 2
+        result = run(cfg, components)
+    finally:
+        components.close()
+    assert result.final_version == 3
+    assert result.ledger["balanced"] and result.ledger["trained"] == 3 * cfg.train.prompts_per_step
+    assert result.syncs and max(s.version for s in result.syncs) >= 2  # rank 0 shipped the group's weights
+    assert (tmp_path / "ray_group" / "checkpoint" / "config.json").is_file()  # exported by rank 0
