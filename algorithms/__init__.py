@@ -20,14 +20,17 @@ from algorithms.advantages import (
     reinforce_advantages,
     rloo_advantages,
 )
-from algorithms.objective import LossMeanOver, PolicyObjective
+from algorithms.objective import PROXIMAL_SOURCES, LossMeanOver, PolicyObjective, ProximalSource, ValueObjective
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
+    "PROXIMAL_SOURCES",
     "AdvantageEstimator",
     "LossMeanOver",
     "PolicyObjective",
+    "ProximalSource",
     "RewardGroup",
+    "ValueObjective",
     "compute_advantages",
     "grpo_advantages",
     "reinforce_advantages",

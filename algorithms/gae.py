@@ -12,6 +12,10 @@ bootstrapped through: padding, and in multi-turn episodes the environment's toke
 turns, so the last action before an environment turn bootstraps from the value of the first
 action after it (verl's ``compute_gae_advantage_return`` does the same).
 
+Also :func:`whiten`, the batch normalisation of advantages verl applies to GAE's
+(``masked_whiten`` in ``compute_gae_advantage_return``), and :class:`ValueInputs`, the tensors a
+critic engine hands the value objective (``algorithms.objective.ValueObjective``).
+
 Invariants: pure, no gradient (advantages and returns are targets, computed under no_grad);
 masked positions get advantage 0 and return 0; a non-zero reward at a masked position raises
 ValueError rather than being dropped (rewards belong to actions); values at masked positions
@@ -20,11 +24,25 @@ are never read.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from algorithms.losses import aggregate_loss
 
-__all__ = ["clipped_value_loss", "gae_advantages", "outcome_token_rewards"]
+__all__ = ["ValueInputs", "clipped_value_loss", "gae_advantages", "outcome_token_rewards", "whiten"]
+
+
+@dataclass(slots=True)
+class ValueInputs:
+    """One micro-batch of a critic's training, ``[rows, actions]`` each: ``values`` carries the
+    gradient, ``old_values`` (what the returns were computed with), ``returns`` and ``mask`` (1 on
+    trained actions) are data."""
+
+    values: torch.Tensor
+    old_values: torch.Tensor
+    returns: torch.Tensor
+    mask: torch.Tensor
 
 
 def _check_same_shape(**tensors: torch.Tensor) -> None:
@@ -63,6 +81,24 @@ def gae_advantages(
         next_advantage = torch.where(act[:, t], advantage, next_advantage)
         advantages[:, t] = torch.where(act[:, t], advantage, 0.0)
     return advantages, torch.where(act, advantages + values, 0.0)
+
+
+@torch.no_grad()
+def whiten(advantages: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """Advantages shifted and scaled to mean 0 and (unbiased) std 1 over the ``mask > 0``
+    positions, 0 elsewhere (verl's ``masked_whiten``); with one position, or equal values, the
+    result is all zeros rather than a division by ~0."""
+    _check_same_shape(advantages=advantages, mask=mask)
+    real = mask > 0
+    count = int(real.sum())
+    if count < 2:
+        return torch.zeros_like(advantages)
+    values = advantages[real]
+    centred = torch.where(real, advantages - values.mean(), 0.0)
+    std = values.std()
+    if float(std) == 0.0:
+        return torch.zeros_like(advantages)
+    return centred / (std + eps)
 
 
 def outcome_token_rewards(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,8 @@ A checkpoint is a folder ``run_dir/checkpoints/step_NNNNNNNN`` (N = the policy v
 - the trainer's state (weights, optimizer, LR schedule, version, its RNG), in files the train
   engine writes itself (``TrainEngine.save_state``), so each backend keeps its own format, and
   the reference model's weights the same way when the reference can save them (a resume then
-  needs no model file to rebuild it);
+  needs no model file to rebuild it), and the state of every engine a role tracks
+  (:meth:`Checkpointer.track`: the critic, which restores itself from ``restored_from``);
 - ``flow.json``: the version, the data position (the next prompt id never admitted), the
   ledger of in-flight work (prompts admitted but not trained or dropped: on resume they are
   generated again, under the staleness rule, rather than lost or trained twice), the trained
@@ -249,6 +250,14 @@ class Checkpointer:
         self._save_steps = config.run.save_steps
         self._keep = config.run.keep_checkpoints
         self.last_version: int | None = None  # of the newest checkpoint this run wrote
+        # Engines a role owns and saves with every checkpoint (the critic), beside the trainer.
+        self._tracked: list[Checkpointable] = []
+        self.restored_from: Path | None = None  # the checkpoint folder this run resumed from
+
+    def track(self, engine: Checkpointable) -> None:
+        """Save ``engine``'s state with every checkpoint from now on (a role's own engine, e.g.
+        the critic, which restores itself from :attr:`restored_from` on resume)."""
+        self._tracked.append(engine)
 
     async def after_step(self, version: int, ledger: Ledger, syncs: SyncHealth) -> None:
         """Called by the train role right after step ``version - 1`` is recorded."""
@@ -266,6 +275,8 @@ class Checkpointer:
         await self._trainer.save_state(tmp)
         if self._reference is not None:
             await self._reference.save_state(tmp)
+        for engine in self._tracked:
+            await engine.save_state(tmp)
         if self._trainer.version != version:  # a bug in whoever called: the snapshot would be torn
             raise RuntimeError(f"checkpoint of version {version} found the trainer at version {self._trainer.version}")
         await asyncio.to_thread(self._commit, tmp, final, state)
@@ -318,5 +329,6 @@ class Checkpointer:
         if state.reference_saved and self._reference is not None:
             await self._reference.load_state(folder)
         random.setstate(state.python_rng)
+        self.restored_from = folder
         log.info("resumed", path=str(folder), version=state.version, in_flight=len(state.in_flight))
         return state

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from core.protocols import LogProbEngine, Reward, RolloutWorkflow, TrainEngine, WeightSync
+from core.protocols import LogProbEngine, Reward, RolloutWorkflow, TrainEngine, ValueEngine, WeightSync
 from core.records import TaskItem
 from core.task import Task
 
@@ -46,6 +46,7 @@ class Components:
     reward: Reward
     weight_sync: WeightSync
     reference: LogProbEngine | None = None
+    critic: ValueEngine | None = None  # the value model, when the flow has a critic stage (algorithm.advantage: gae)
     close_callbacks: list[Callable[[], None]] = field(default_factory=list)
     save_checkpoint: Callable[[Path], Awaitable[None]] | None = None  # final weights, loadable by from_pretrained
     max_prompt_tokens: int | None = None  # longer prompts are dropped at admission (recorded); None: no limit

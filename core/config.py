@@ -41,7 +41,9 @@ __all__ = [
     "validate_config",
 ]
 
-ROLE_NAMES = ("dataloader", "generate", "rollout", "logp", "ref_logp", "reward", "train", "param_update", "validate")
+ROLE_NAMES = (
+    "dataloader", "generate", "rollout", "logp", "ref_logp", "critic", "reward", "train", "param_update", "validate",
+)
 # The chain of roles that exchange items over channels; param_update and validate are driven by
 # the version clock instead. A config may insert custom stages anywhere between dataloader and train.
 DEFAULT_STAGES = ["dataloader", "generate", "rollout", "logp", "ref_logp", "reward", "train"]
@@ -112,6 +114,44 @@ class StalenessConfig(_Model):
     ``roles.param_update.on_error: drop`` (a failed sync is then tolerated and retried)."""
     recover_after_syncs: int = Field(1, ge=1)
     """While degraded: successful syncs in a row that restore the configured k."""
+    max_consumption_staleness: int | None = Field(None, ge=0)
+    """c < k: a group whose oldest token is more than c versions behind the step that trains it
+    is stale at consumption and handled by ``on_stale`` (admission at k lets generation start
+    early; c bounds what is trained). None: the admission bound k is the only bound."""
+    max_version_span: int | None = Field(None, ge=0)
+    """< k: a group with a trajectory whose tokens span more than this many policy versions (a
+    partial rollout that went on through weight updates) is handled by ``on_stale`` too; None: any span."""
+    on_stale: Literal["train", "drop", "recompute", "withhold"] = "train"
+    """What the train role does with a group over ``max_consumption_staleness`` or
+    ``max_version_span`` (see ``state_machines.consumption``): ``train`` it anyway (counted),
+    ``drop`` it (ledger reason recorded; a fresh prompt refills its slot), ``recompute`` it
+    (the same prompt generated again for the same step), or ``withhold`` it to the next step
+    while its admission bound still holds there (its slot refilled now). A refill or
+    regeneration is admitted only once the rollout serves a version that keeps it within both
+    bounds, so it is never stale itself: each stale group costs at most one refill."""
+
+    @model_validator(mode="after")
+    def _consumption_bounds(self) -> StalenessConfig:
+        for name in ("max_consumption_staleness", "max_version_span"):
+            value = getattr(self, name)
+            if value is not None and value >= self.k:
+                raise ValueError(
+                    f"staleness.{name}={value} must be below the admission bound k={self.k}: a group's tokens "
+                    "are never more than k versions old (or apart) when trained, so the check could never fire"
+                )
+        if self.on_stale != "train" and self.refill_bound is None:
+            raise ValueError(
+                f"staleness.on_stale={self.on_stale} needs staleness.max_consumption_staleness or "
+                "staleness.max_version_span: without a bound no group is ever stale"
+            )
+        return self
+
+    @property
+    def refill_bound(self) -> int | None:
+        """The tightest consumption bound (None without one): slots given back are refilled, and
+        stale groups regenerated, only under it, so a refill always passes the consumption check."""
+        bounds = [b for b in (self.max_consumption_staleness, self.max_version_span) if b is not None]
+        return min(bounds) if bounds else None
 
     @model_validator(mode="after")
     def _one_bound(self) -> StalenessConfig:
@@ -176,7 +216,8 @@ class FlowConfig(_Model):
 
     stages: list[str] = Field(default_factory=lambda: list(DEFAULT_STAGES))
     """The channel chain, first to last. Must start with dataloader, generate, rollout and end
-    with train; ``logp``/``ref_logp`` may be left out; custom stages go anywhere after rollout."""
+    with train; ``logp``/``ref_logp`` may be left out; ``critic`` (the value model) goes after rollout
+    with ``algorithm.advantage: gae``; custom stages go anywhere after rollout."""
     custom_stages: dict[str, str] = Field(default_factory=dict)
     """Stage name -> ``module:Class`` of a StateMachine subclass. Naming a built-in role here
     replaces it; a new name adds a stage (list it in ``stages``)."""
@@ -281,8 +322,6 @@ class DiffusionConfig(_Model):
         return self
 
 
-
-
 FAULT_ROLES = ("generate", "logp", "ref_logp", "reward", "train", "param_update")
 
 
@@ -319,6 +358,8 @@ class FakeEnginesConfig(_Model):
     """Time to score one micro-batch of rewards."""
     sync_latency: LatencySpec = LatencySpec()
     """Time of one parameter sync."""
+    critic_step_latency: LatencySpec = LatencySpec()
+    """Time of one optimizer step of the fake critic (its values take ``logp_latency``)."""
     faults: dict[Literal[FAULT_ROLES], FaultSpec] = Field(default_factory=dict)  # type: ignore[valid-type]
     """Faults per role, keyed by the role whose engine call fails: ``generate`` (the rollout
     engine, validation included), ``logp``, ``ref_logp``, ``reward``, ``train``, ``param_update``."""
@@ -421,6 +462,8 @@ class TorchEnginesConfig(_Model):
     data-parallel size is ``train_world_size / tensor_parallel_size``."""
     lr: float = Field(1e-4, gt=0)
     """AdamW learning rate."""
+    critic_lr: float | None = Field(None, gt=0)
+    """AdamW learning rate of the critic (the value model of ``algorithm.advantage: gae``); None: ``lr``."""
     weight_decay: float = Field(0.0, ge=0)
     """AdamW weight decay."""
     warmup_steps: int = Field(0, ge=0)
@@ -458,8 +501,40 @@ EnginesConfig = Annotated[FakeEnginesConfig | TorchEnginesConfig, Field(discrimi
 class AlgorithmConfig(_Model):
     """Advantages and the policy loss (see ``algorithms/`` for the formulas and sources)."""
 
-    advantage: Literal["grpo", "rloo", "reinforce"] = "grpo"
-    """Advantage estimator over each prompt group's rewards."""
+    advantage: Literal["grpo", "rloo", "reinforce", "gae"] = "grpo"
+    """Advantage estimator over each prompt group's rewards, or ``gae``: per-action advantages by
+    GAE(``gae_gamma``, ``gae_lambda``) over the values of a critic (the ``critic`` stage, a value
+    model trained beside the policy on the GAE returns), whitened over the step's actions as verl does."""
+    gae_gamma: float = Field(1.0, ge=0.0, le=1.0)
+    """gae: discount per action."""
+    gae_lambda: float = Field(1.0, ge=0.0, le=1.0)
+    """gae: lambda (1: Monte-Carlo return minus value; 0: one-step TD error)."""
+    value_clip_eps: float = Field(0.5, gt=0.0)
+    """gae: the critic's value clipping (a value may not move more than this from the one its
+    returns were computed with, PPO's ``cliprange_value``; verl's default 0.5)."""
+    proximal: Literal["recompute", "current", "behaviour"] = "recompute"
+    """Decoupled PPO: where pi_prox comes from. ``recompute``: a forward pass of the trainer over
+    every sample (the logp stage; rescored at the train step if a newer version trains it);
+    exact, costs one forward pass per sample. ``current``: the train step's own forward pass,
+    detached: exact here because one train step is one optimizer step (pi_theta equals pi_prox
+    in value when the step's forward runs; this is AReaL's log-linear interpolation with
+    v_current = v_prox, so alpha = 1), and free: no logp stage. ``behaviour``: pi_prox := pi_behav,
+    the rollout engine's log-probs: the behaviour weight is 1 and the loss is naive PPO anchored
+    at pi_behav (the same as ``decoupled: false``); exact only at k = 0 with no numerical
+    mismatch between the engines, an explicit approximation otherwise."""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling: a group whose (shaped) rewards are all equal is dropped on arrival
+    at the train role and its slot refilled with a fresh prompt (grpo and rloo only: their group
+    advantage is 0 there)."""
+    dynamic_sampling_max_refills: int = Field(8, ge=1)
+    """Dynamic sampling's bound on extra generation: groups a step may drop and refill; past it
+    the step trains the equal-reward groups it gets (advantage 0: no policy gradient)."""
+    overlong_buffer: int | None = Field(None, ge=1)
+    """DAPO's soft over-long punishment: responses longer than ``rollout.max_new_tokens`` minus
+    this many tokens get a reward penalty ramping from 0 to -1 at ``max_new_tokens``; None = off."""
+    overlong_filter: bool = False
+    """DAPO's over-long filtering: responses cut at ``rollout.max_new_tokens`` (finish reason
+    ``length``) are kept out of the loss (they still count in their group's advantages)."""
     normalize_std: bool = True
     """GRPO: divide by the group's reward std (False: Dr. GRPO's mean-centring only)."""
     loss: Literal["ppo", "vanilla", "tis", "topr", "cispo", "kimi15"] = "ppo"
@@ -526,9 +601,14 @@ class AlgorithmConfig(_Model):
             raise ValueError("algorithm.kl_importance_weight re-weights a sampled KL estimate: not with kl_estimator=exact")
         if self.behaviour_weight_floor is not None and self.behaviour_weight_floor > self.behaviour_weight_cap:
             raise ValueError("algorithm.behaviour_weight_floor must not exceed behaviour_weight_cap")
+        if self.dynamic_sampling and self.advantage not in ("grpo", "rloo"):
+            raise ValueError(
+                f"algorithm.dynamic_sampling filters groups whose group-baselined advantage is 0 (grpo, rloo); "
+                f"with advantage={self.advantage} equal rewards still carry a signal"
+            )
         if not self.decoupled:
             for name, default in (("behaviour_weight_level", "token"), ("behaviour_weight_floor", None),
-                                  ("kl_importance_weight", False)):
+                                  ("kl_importance_weight", False), ("proximal", "recompute")):
                 if getattr(self, name) != default:
                     raise ValueError(f"algorithm.{name} applies to decoupled PPO only: set algorithm.decoupled=true")
         return self
@@ -728,14 +808,28 @@ class TandemConfig(_Model):
             )
         self._check_cluster()
         self._check_rollout_servers()
+        self._check_algorithm_stages()
         if self.engines.type != "fake" and self.task.name is None:
             raise ValueError(f"task.name: engines.type={self.engines.type} trains a real model: name its task")
         if self.engines.type == "torch":
             algo, stages = self.algorithm, self.flow.stages
-            if algo.decoupled and "logp" not in stages:
+            recompute = algo.decoupled and algo.proximal == "recompute"
+            if recompute and "logp" not in stages:
                 raise ValueError(
-                    "algorithm.decoupled needs recomputed log-probs: add 'logp' to flow.stages "
-                    "or set algorithm.decoupled=false"
+                    "algorithm.decoupled needs recomputed log-probs: add 'logp' to flow.stages, "
+                    "set algorithm.proximal=current (the train step's own forward pass) or algorithm.decoupled=false"
+                )
+            if "logp" in stages and not recompute:
+                raise ValueError(
+                    "flow.stages has logp but the loss reads no recomputed log-probs (algorithm.decoupled=false or "
+                    f"algorithm.proximal={algo.proximal}): the forward pass would go unused"
+                )
+            if algo.advantage == "gae" and (
+                self.engines.trainer_group is not None or self.engines.rollout != "embedded" or self.cluster.backend != "local"
+            ):
+                raise ValueError(
+                    "algorithm.advantage=gae: the critic and per-action advantages run on the embedded local torch "
+                    "engines only (engines.train=torch without fsdp2, engines.rollout=embedded, cluster.backend=local)"
                 )
             exact = algo.kl_estimator == "exact"  # the train engine holds the reference itself
             if algo.kl_coef > 0 and (algo.kl_estimator is None or ("ref_logp" not in stages and not exact)):
@@ -759,6 +853,19 @@ class TandemConfig(_Model):
         if not self.observability.write_run_dir and self.observability.trackers:
             raise ValueError("observability.trackers write into the run folder: set observability.write_run_dir=true")
         return self
+
+    def _check_algorithm_stages(self) -> None:
+        algo = self.algorithm
+        if (algo.advantage == "gae") != ("critic" in self.flow.stages):
+            raise ValueError(
+                "algorithm.advantage=gae and the 'critic' stage go together: GAE reads the critic's values, "
+                "and the critic trains on GAE's returns"
+            )
+        if algo.overlong_buffer is not None and algo.overlong_buffer > self.rollout.max_new_tokens:
+            raise ValueError(
+                f"algorithm.overlong_buffer={algo.overlong_buffer} is longer than rollout.max_new_tokens="
+                f"{self.rollout.max_new_tokens}"
+            )
 
     def _check_rollout_servers(self) -> None:
         engines = self.engines

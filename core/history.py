@@ -4,9 +4,10 @@ The train role appends a :class:`StepRecord` per step; listeners (the JSONL writ
 Prometheus metrics, the progress bar) are told of each. The validate role appends a
 :class:`ValidationRecord` per held-out evaluation, and the param_update role a
 :class:`ModeChange` whenever weight-sync failures degrade admission to synchronous or it
-recovers. ``metrics.jsonl`` gets one row per record, its ``kind`` saying which (``step``,
-``validation``, ``mode``). Rows stream to the file; memory keeps bounded summaries only (see
-:class:`RunHistory`), so a run of any length holds the same few records.
+recovers; the critic role a :class:`CriticRecord` per critic step. ``metrics.jsonl`` gets one
+row per record, its ``kind`` saying which (``step``, ``validation``, ``mode``, ``critic``). Rows
+stream to the file; memory keeps bounded summaries only (see :class:`RunHistory`), so a run of
+any length holds the same few records.
 """
 
 from __future__ import annotations
@@ -19,14 +20,25 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ModeChange", "RunHistory", "StepRecord", "SyncRecord", "ValidationRecord", "read_step_rows"]
+__all__ = [
+    "CriticRecord", "ModeChange", "RunHistory", "StepRecord", "SyncRecord", "ValidationRecord", "read_step_rows",
+]
 
 
 @dataclass(slots=True)
 class StepRecord:
     """One optimizer step. ``staleness`` holds, per group, trained step minus start version;
     ``staleness_bound`` is the admission bound in force when the step trained (below the
-    configured k while weight-sync failures hold the flow degraded)."""
+    configured k while weight-sync failures hold the flow degraded).
+
+    The lag of every trained trajectory, in the batch's order: ``trajectory_staleness`` (step
+    minus the version of its first token: its staleness at consumption), ``version_span`` (its
+    newest token's version minus its oldest's: > 0 for a partial rollout that went on through a
+    weight update), ``in_flight_s`` (from the request to the rollout workflow to its delivery:
+    waiting for a decode slot and decoding) and ``queued_s`` (from its delivery to the start of
+    this step: assembling its group, the later stages, waiting for its step); with a critic,
+    ``value_staleness`` (step minus the critic version its values came from). ``consumption``
+    counts what happened to this step's slots on the way (``state_machines.consumption``)."""
 
     step: int
     time_s: float
@@ -41,6 +53,12 @@ class StepRecord:
     prompt_ids: list[int]
     train_metrics: dict[str, float] = field(default_factory=dict)
     rollout_metrics: dict[str, float] = field(default_factory=dict)  # means of the trajectories' own metrics
+    trajectory_staleness: list[int] = field(default_factory=list)
+    version_span: list[int] = field(default_factory=list)
+    in_flight_s: list[float] = field(default_factory=list)
+    queued_s: list[float] = field(default_factory=list)
+    value_staleness: list[int] = field(default_factory=list)
+    consumption: dict[str, int] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         row = {"kind": "step", **asdict(self)}
@@ -81,6 +99,20 @@ class ValidationRecord:
 
 
 @dataclass(slots=True, frozen=True)
+class CriticRecord:
+    """One optimizer step of the critic (the value model of ``algorithm.advantage: gae``): the
+    version it reached, the policy step whose batch it trained on, and its loss metrics."""
+
+    version: int
+    policy_step: int
+    time_s: float
+    metrics: dict[str, float]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": "critic", **asdict(self)}
+
+
+@dataclass(slots=True, frozen=True)
 class ModeChange:
     """Admission turned synchronous because weight syncs kept failing (``degraded``), or back."""
 
@@ -113,6 +145,7 @@ class RunHistory:
             raise ValueError("keep and max_steps must be >= 1")
         self.steps: deque[StepRecord] = deque(maxlen=keep)
         self.syncs: deque[SyncRecord] = deque(maxlen=keep)
+        self.critic: CriticRecord | None = None  # the critic's latest step, if the run has a critic
         self.validations: list[ValidationRecord] = []
         self.mode_changes: list[ModeChange] = []
         self.staleness_counts: Counter[int] = Counter()
@@ -173,6 +206,11 @@ class RunHistory:
 
     def add_sync(self, version: int, metrics: dict[str, float]) -> None:
         self.syncs.append(SyncRecord(version, dict(metrics)))
+
+    def add_critic(self, record: CriticRecord) -> None:
+        """A critic step: streamed to ``metrics.jsonl`` and the row listeners; the latest kept."""
+        self.critic = record
+        self._write(record.to_json())
 
     def close(self) -> None:
         if self._jsonl is not None:

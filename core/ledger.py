@@ -74,6 +74,13 @@ class Ledger:
     def is_live(self, prompt_id: int) -> bool:
         return prompt_id in self._in_flight
 
+    def reassign(self, prompt_id: int, step: int) -> None:
+        """A group in flight now belongs to ``step`` (withheld to a later step): a later drop
+        gives back that step's slot. Still in flight once, so the accounts do not change."""
+        if prompt_id not in self._in_flight:
+            raise LedgerError(f"prompt {prompt_id} reassigned to step {step} but not in flight")
+        self._in_flight[prompt_id] = step
+
     def mark_trained(self, prompt_id: int) -> None:
         if self._in_flight.pop(prompt_id, None) is None:
             if prompt_id in self._dropped_ids:

@@ -82,6 +82,8 @@ class PromptGroup:
     ``step`` is the training step the group is assigned to at admission (-1 before),
     ``admitted_version`` the rollout policy version that was loaded when it was admitted, and
     ``admitted_k`` the staleness bound in force then (its trained staleness may not exceed it).
+    A regeneration (``staleness.on_stale: recompute``) re-admits the group for the same step:
+    these then describe the regeneration's admission.
     """
 
     prompt_id: int
@@ -90,6 +92,9 @@ class PromptGroup:
     step: int = -1
     admitted_version: int = -1
     admitted_k: int = -1
+    # Event-loop time its trajectories were last requested from the rollout workflow (admission,
+    # or a regeneration): where a trajectory's time in flight starts. None before.
+    requested_s: float | None = None
 
     @property
     def prompt(self) -> str:
@@ -139,6 +144,19 @@ class Trajectory:
     reward_info: str = ""  # verifier detail, or the reason a reward failed
     advantage: float | None = None  # filled by the train role from the group's rewards
     metrics: dict[str, float] | None = None  # the workload's own per-trajectory facts (turns, env seconds)
+    # Set by a workflow that could not produce this trajectory through no fault of the policy (its
+    # environment raised, hung or broke its protocol): the reason. The generate role then drops the
+    # trajectory's group with that reason in the ledger, so it is never trained.
+    failure: str | None = None
+    finished_s: float | None = None  # event-loop time the generate role received it (end of its time in flight)
+    # With a critic (``algorithm.advantage: gae``): the critic's value of the state before each
+    # action, the critic version that scored them, and what the train role derives from them by
+    # GAE: per-action advantages (which the engines train with instead of ``advantage``) and
+    # returns (the critic's regression targets).
+    values: list[float] | None = None
+    value_version: int = -1
+    token_advantages: list[float] | None = None
+    returns: list[float] | None = None
 
     @property
     def num_actions(self) -> int:

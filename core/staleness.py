@@ -20,6 +20,16 @@ version ``t`` is loaded, which is exactly the synchronous schedule.
 A dropped group gives its slot back, so its step is refilled by a fresh prompt and the step
 still trains a full batch; no step is ever assigned more than ``prompts_per_step`` live groups.
 
+Staleness at consumption (``staleness.max_consumption_staleness`` / ``max_version_span``, the
+tighter of which is the *refill bound* ``b``): a slot given back is refilled only by an admission
+made while ``s <= w + min(k, b)``, and a stale group the train role sends back for regeneration
+(:meth:`StalenessGate.regenerate`, same prompt, same step, slot kept) is handed to generation
+only under that bound too. Every token of such a group is then sampled at a version in
+``[s - b, s]`` (the trainer cannot pass step ``s`` before the group is trained), so its
+staleness and its version span are at most ``b``: it is never stale itself, and each stale
+group costs at most one refill. A group withheld to the next step moves its slot there
+(:meth:`StalenessGate.move`) and gives its old one back.
+
 The bound *in force* may drop below the configured ``k`` while weight syncs fail and come back
 when they succeed again: the gate owns this degradation. The param_update role reports each
 sync's outcome (:meth:`StalenessGate.sync_failed`, :meth:`StalenessGate.sync_succeeded`);
@@ -33,7 +43,10 @@ k_admitted``. Lowering the bound never invalidates a group already admitted unde
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from dataclasses import dataclass
+
+from core.records import PromptGroup
 
 __all__ = ["Admission", "StalenessGate", "StalenessViolation", "SyncHealth", "VersionClock"]
 
@@ -114,7 +127,8 @@ class StalenessGate:
 
     Owned by the flow; the generate role asks for slots, the train role completes them, any
     role that drops a group releases its slot, and the param_update role reports each sync.
-    ``degrade_after`` None never degrades.
+    ``degrade_after`` None never degrades. ``refill_bound`` (the consumption bound, see the module
+    docstring) None refills slots under the bound in force, and allows no regeneration.
     """
 
     def __init__(
@@ -127,6 +141,7 @@ class StalenessGate:
         *,
         degrade_after: int | None = None,
         recover_after: int = 1,
+        refill_bound: int | None = None,
     ) -> None:
         if max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
@@ -134,6 +149,8 @@ class StalenessGate:
             raise ValueError("prompts_per_step, max_steps and max_concurrent must be >= 1")
         if (degrade_after is not None and degrade_after < 1) or recover_after < 1:
             raise ValueError("degrade_after and recover_after must be >= 1")
+        if refill_bound is not None and refill_bound < 0:
+            raise ValueError(f"refill_bound must be >= 0, got {refill_bound}")
         self.clock = clock
         self.configured_k = max_staleness
         self.k = max_staleness  # the bound in force
@@ -148,12 +165,22 @@ class StalenessGate:
         # (a resumed run's clock starts at its checkpoint's version, so its admissions do too).
         self._frontier = clock.trained
         self.in_flight = 0  # admitted, neither trained nor dropped
+        self.refill_bound = refill_bound  # None: a slot given back is refilled like any other
+        self._refills: dict[int, int] = {}  # step -> slots given back, not refilled yet (refill_bound only)
+        self._regenerations: deque[PromptGroup] = deque()  # stale groups to generate again, slots kept
+
+    def _bound_for(self, step: int) -> int:
+        """The bound an admission for ``step`` is made under: the refill bound while it has slots
+        given back, else the bound in force."""
+        if self.refill_bound is not None and self._refills.get(step, 0) > 0:
+            return min(self.k, self.refill_bound)
+        return self.k
 
     def _open_step(self) -> int | None:
         while self._live.get(self._frontier, 0) >= self.prompts_per_step:
             self._frontier += 1
         s = self._frontier
-        if s >= self.max_steps or s > self.clock.loaded + self.k or self.in_flight >= self.max_concurrent:
+        if s >= self.max_steps or s > self.clock.loaded + self._bound_for(s) or self.in_flight >= self.max_concurrent:
             return None
         return s
 
@@ -171,9 +198,57 @@ class StalenessGate:
         step = self._open_step()
         if step is None:
             return None
+        bound = self._bound_for(step)
+        if self._refills.get(step, 0) > 0:
+            self._refills[step] -= 1
         self._live[step] = self._live.get(step, 0) + 1
         self.in_flight += 1
-        return Admission(step=step, version=self.clock.loaded, k=self.k)
+        return Admission(step=step, version=self.clock.loaded, k=bound)
+
+    async def regenerate(self, group: PromptGroup) -> None:
+        """Queue a stale group to be generated again for its step; it keeps its slot (and its
+        ledger entry). :meth:`next_regeneration` hands it out under the refill bound."""
+        if self.refill_bound is None:
+            raise ValueError("regeneration needs a refill bound (staleness.max_consumption_staleness or max_version_span)")
+        async with self.clock.changed:
+            self._regenerations.append(group)
+            self.clock.changed.notify_all()
+
+    def _ready_regeneration(self) -> PromptGroup | None:
+        assert self.refill_bound is not None  # only regenerate() queues, and it checks
+        bound = min(self.k, self.refill_bound)
+        return next((g for g in self._regenerations if g.step <= self.clock.loaded + bound), None)
+
+    async def next_regeneration(self) -> PromptGroup:
+        """Wait for a queued group whose step the rollout's loaded version is close enough to (the
+        refill bound); return it re-admitted: its admitted version and bound are this admission's."""
+        cond = self.clock.changed
+        async with cond:
+            await cond.wait_for(lambda: self._ready_regeneration() is not None)
+            group = self._ready_regeneration()
+            assert group is not None and self.refill_bound is not None
+            self._regenerations.remove(group)
+            group.admitted_version, group.admitted_k = self.clock.loaded, min(self.k, self.refill_bound)
+            return group
+
+    async def move(self, from_step: int, to_step: int) -> bool:
+        """Move one live group's slot from ``from_step`` to ``to_step`` (a withheld group), if
+        ``to_step`` has a free slot; the slot left behind is given back (refilled under the
+        refill bound). False, and nothing changes, when ``to_step`` is full or past the run."""
+        async with self.clock.changed:
+            if to_step >= self.max_steps or self._live.get(to_step, 0) >= self.prompts_per_step:
+                return False
+            self._live[to_step] = self._live.get(to_step, 0) + 1
+            self._give_back(from_step)
+            self.clock.changed.notify_all()
+            return True
+
+    def _give_back(self, step: int) -> None:
+        self._live[step] -= 1
+        if self.refill_bound is not None:
+            self._refills[step] = self._refills.get(step, 0) + 1
+        if step < self._frontier:
+            self._frontier = step
 
     @property
     def degraded(self) -> bool:
@@ -220,10 +295,8 @@ class StalenessGate:
     async def release(self, step: int) -> None:
         """A group of ``step`` was dropped: its slot opens again for a fresh prompt."""
         async with self.clock.changed:
-            self._live[step] -= 1
+            self._give_back(step)
             self.in_flight -= 1
-            if step < self._frontier:
-                self._frontier = step
             self.clock.changed.notify_all()
 
     async def complete(self, step: int, groups: int) -> None:
@@ -231,6 +304,7 @@ class StalenessGate:
         async with self.clock.changed:
             self.in_flight -= groups
             self._live.pop(step, None)  # a trained step can never be released again
+            self._refills.pop(step, None)
             self.clock.changed.notify_all()
 
     @staticmethod

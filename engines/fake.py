@@ -11,6 +11,7 @@ Faithful where the flow's correctness is concerned:
   the weight version that was loaded when that token was produced (weights may change in the
   middle of a sequence: a partial rollout that kept its cache);
 - the train engine's version counts optimizer steps; log-probs have one value per token;
+- the critic (a flow with a critic stage) counts its own optimizer steps; its values move as it trains;
 - the fake policy answers a prompt right (its response text is the item's answer) with a
   probability that rises with the weight version it started with, so a run scored by the
   task's reward (the synthetic task's exact match by default) visibly "learns".
@@ -42,6 +43,7 @@ from core.records import FinishReason, PromptGroup, ResumePolicy, TokenPayload, 
 __all__ = [
     "FakeRolloutEngine",
     "FakeTrainEngine",
+    "FakeValueEngine",
     "FakeWeightSync",
     "FaultInjector",
     "InjectedFault",
@@ -294,6 +296,46 @@ class FakeTrainEngine:
         self._version = json.loads((folder / "fake_trainer.json").read_text())["version"]
 
 
+class FakeValueEngine:
+    """A critic whose step takes a drawn time; its version counts its own optimizer steps.
+
+    Its value of every state is one number, the mean return of the last batch it trained on
+    (0 before any): a baseline that moves as it trains, so the values a policy step gets depend
+    on which critic version scored them, as with a real critic.
+    """
+
+    def __init__(self, step_latency: LatencySampler, score_latency: LatencySampler) -> None:
+        self._step_latency = step_latency
+        self._score_latency = score_latency
+        self._version = 0
+        self._baseline = 0.0
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    async def values(self, trajectories: Sequence[Trajectory]) -> list[list[float]]:
+        await _spend(self._score_latency())
+        return [[self._baseline] * t.num_actions for t in trajectories]
+
+    async def train_step(self, batch: Sequence[Trajectory], objective: LossObjective) -> dict[str, float]:
+        await _spend(self._step_latency())
+        returns = [r for t in batch for r in (t.returns or [])]
+        if not returns:
+            raise ValueError("critic train_step on trajectories without returns")
+        error = sum((r - v) ** 2 for t in batch for r, v in zip(t.returns or [], t.values or [], strict=True))
+        self._baseline = sum(returns) / len(returns)
+        self._version += 1
+        return {"value_loss": 0.5 * error / len(returns)}
+
+    async def save_state(self, folder: Path) -> None:
+        (folder / "fake_critic.json").write_text(json.dumps({"version": self._version, "baseline": self._baseline}))
+
+    async def load_state(self, folder: Path) -> None:
+        state = json.loads((folder / "fake_critic.json").read_text())
+        self._version, self._baseline = state["version"], state["baseline"]
+
+
 class FakeReferenceEngine:
     """A frozen reference: log-probs one nat below the behaviour policy's."""
 
@@ -371,5 +413,9 @@ def build_fake_components(config: TandemConfig, setup: TaskSetup) -> Components:
         reward=SlowReward(setup.reward, LatencySampler(spec.reward_latency, seed + 4), faults("reward", 17)),
         weight_sync=FakeWeightSync(rollout, LatencySampler(spec.sync_latency, seed + 6), faults("param_update", 19)),
         reference=FakeReferenceEngine(LatencySampler(spec.logp_latency, seed + 7), faults("ref_logp", 21)),
+        critic=(
+            FakeValueEngine(LatencySampler(spec.critic_step_latency, seed + 8), LatencySampler(spec.logp_latency, seed + 9))
+            if "critic" in config.flow.stages else None
+        ),
         held_out=setup.task.held_out,
     )

@@ -34,6 +34,7 @@ from engines.text_workflow import SingleTurnWorkflow
 from engines.tokenizer import load_tokenizer
 from engines.torch_sync import TorchWeightSync
 from engines.torch_train import TorchLogProbEngine, TorchTrainEngine
+from engines.value import TorchValueEngine
 
 if TYPE_CHECKING:
     from engines.trainer_group import TrainerGroup
@@ -50,6 +51,7 @@ __all__ = [
     "tokenized",
     "tokenized_held_out",
     "train_engine",
+    "value_engine",
 ]
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -138,6 +140,18 @@ def reference_engine(config: TandemConfig, num_threads: int) -> TorchLogProbEngi
     )
 
 
+def value_engine(config: TandemConfig, num_threads: int) -> TorchValueEngine:
+    """The critic a torch config with a critic stage describes: the task's checkpoint's decoder
+    with a scalar head (``engines.value``), trained at ``engines.critic_lr`` (default ``lr``)."""
+    spec = config.engines
+    assert isinstance(spec, TorchEnginesConfig)
+    return TorchValueEngine(
+        str(resolve_model_path(spec.model_path)), lr=spec.critic_lr or spec.lr, device=spec.device,
+        dtype=_DTYPES[spec.dtype], weight_decay=spec.weight_decay, max_grad_norm=spec.max_grad_norm,
+        max_tokens_per_micro_batch=spec.max_tokens_per_micro_batch, num_threads=num_threads,
+    )
+
+
 def sampling_params(config: TandemConfig) -> SamplingParams:
     r = config.rollout
     return SamplingParams(r.max_new_tokens, r.temperature, r.top_p, r.top_k, tuple(r.stop))
@@ -197,6 +211,7 @@ def build_torch_components(config: TandemConfig, setup: TaskSetup) -> Components
     rollout = rollout_engine(config, gen_threads)
     engine = train_engine(config, train_threads)
     reference = reference_engine(config, train_threads) if "ref_logp" in config.flow.stages else None
+    critic = value_engine(config, train_threads) if "critic" in config.flow.stages else None
     ps = config.param_sync
     weight_sync = TorchWeightSync.in_process(
         engine, rollout, produce_bucket_mb=ps.produce_bucket_mb, consume_bucket_mb=ps.consume_bucket_mb
@@ -207,6 +222,7 @@ def build_torch_components(config: TandemConfig, setup: TaskSetup) -> Components
 
     # The sync first: a sync in flight finishes against live engines before they stop.
     closers = [weight_sync.close, rollout.close, engine.close] + ([reference.close] if reference else [])
+    closers += [critic.close] if critic else []
     return Components(
         prompts=tokenized(setup.items, tokenizer),
         held_out=tokenized_held_out(setup.task, tokenizer),
@@ -215,6 +231,7 @@ def build_torch_components(config: TandemConfig, setup: TaskSetup) -> Components
         reward=setup.reward,
         weight_sync=weight_sync,
         reference=reference,
+        critic=critic,
         close_callbacks=closers,
         save_checkpoint=checkpoint,
         max_prompt_tokens=max_prompt_tokens,

@@ -277,8 +277,9 @@ class TorchTrainEngine(_TorchModelEngine):
         tokens) and returns a loss that is a mean over that micro-batch's trained tokens or
         (``objective.mean_over == "sequences"``) its sequences with trained tokens, plus float
         metrics, averaged here with the same weights. Trajectories without trained tokens are
-        left out. Every trajectory must carry its ``advantage``; ``prox_logprobs`` and
-        ``ref_logprobs`` are passed when every trajectory has them, and refused when only some do.
+        left out. Every trajectory must carry its ``advantage``, or per-action
+        ``token_advantages`` (GAE), which then take its place; ``prox_logprobs``, ``ref_logprobs``
+        and ``token_advantages`` are used when every trajectory has them, and refused when only some do.
 
         With ``world_size > 1`` the trajectories are split across the ranks balanced by tokens
         and ``objective`` is pickled to them with each step; a rank that fails or dies raises
@@ -420,10 +421,14 @@ class TorchTrainEngine(_TorchModelEngine):
             has_prox = rows[0].prox_logprobs is not None
             has_ref = rows[0].ref_logprobs is not None
             trained = batch.loss_mask
+            if rows[0].token_advantages is not None:  # per action (GAE), else one per trajectory
+                advantages = _padded([s.token_advantages for s in rows], trained) * trained
+            else:
+                advantages = torch.tensor([[s.advantage] for s in rows], device=self._device) * trained
             inputs = LossInputs(
                 logprobs=token_logp,
                 behaviour_logprobs=_padded([s.behaviour_logprobs for s in rows], trained),
-                advantages=torch.tensor([[s.advantage] for s in rows], device=self._device) * trained,
+                advantages=advantages,
                 mask=trained,
                 prox_logprobs=_padded([s.prox_logprobs for s in rows], trained) if has_prox else None,
                 ref_logprobs=_padded([s.ref_logprobs for s in rows], trained) if has_ref else None,
@@ -456,15 +461,15 @@ class TorchTrainEngine(_TorchModelEngine):
 def _check_trainable(samples: list[Trajectory]) -> None:
     if not samples:
         raise ValueError("train_step on no trajectories")
-    for field in ("prox_logprobs", "ref_logprobs"):
+    for field in ("prox_logprobs", "ref_logprobs", "token_advantages"):
         present = {getattr(s, field) is not None for s in samples}
         if len(present) > 1:
             raise ValueError(f"{field} is set on some trajectories and not on others")
     for s in samples:
         where = f"trajectory {s.prompt_id}/{s.index}"
-        if s.advantage is None:
+        if s.advantage is None and s.token_advantages is None:
             raise ValueError(f"{where} has no advantage")
-        for name in ("behaviour_logprobs", "prox_logprobs", "ref_logprobs", "loss_mask"):
+        for name in ("behaviour_logprobs", "prox_logprobs", "ref_logprobs", "loss_mask", "token_advantages"):
             values = getattr(s, name)
             if values is not None and len(values) != s.num_actions:
                 raise ValueError(f"{where}: {len(values)} {name} for {s.num_actions} tokens")

@@ -13,6 +13,9 @@ and reads nothing else of the config to do so.
   trainer's weights and a proximal score must never straddle an optimizer step.
 - The **finishing role**: the run ends when it finishes (``train``, after ``run.max_steps``);
   every other role is then stopped, having nothing left that could be trained.
+- The **critic's feedback**: with a ``critic`` stage, the train role sends each trained step's
+  trajectories (with their GAE returns) back to it over one more channel, of capacity one, and
+  the critic trains on them beside the chain.
 """
 
 from __future__ import annotations
@@ -25,7 +28,9 @@ from core.channel import ReceiveChannel, SendChannel, open_channel
 from core.config import TandemConfig
 from core.resources import colocated_groups
 from state_machines.base import FlowServices, StateMachine
+from state_machines.critic import CriticStateMachine
 from state_machines.registry import create_role_state_machine
+from state_machines.train import TrainStateMachine
 
 __all__ = ["BuiltGraph", "StageGraph"]
 
@@ -74,7 +79,15 @@ class StageGraph:
             )
             for name in (*self.chain, *self.beside)
         ]
-        return BuiltGraph(machines, [receives[consumer] for _, consumer in self.links])
+        channels = [receives[consumer] for _, consumer in self.links]
+        if "critic" in self.chain:
+            by_name = {m.name: m for m in machines}
+            train, critic = by_name["train"], by_name["critic"]
+            if not isinstance(train, TrainStateMachine) or not isinstance(critic, CriticStateMachine):
+                raise ValueError("a flow with a critic needs the train and critic roles (or subclasses of them)")
+            train.critic_batches, critic.batches = open_channel("train->critic", 1)
+            channels.append(critic.batches)
+        return BuiltGraph(machines, channels)
 
 
 @dataclass(slots=True)

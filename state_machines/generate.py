@@ -15,6 +15,16 @@ duplicates one; if the error policy then drops the call, it drops only the group
 trajectories (a group whole before the failure has gone on to training and stays there).
 State: RUNNING while any call is in flight, else PAUSED while held by the gate, else
 WAITING_INPUT.
+
+With ``staleness.on_stale: recompute`` it also generates again each stale group the train role
+sends back through the gate (``StalenessGate.regenerate``), once the gate hands it out under the
+refill bound, until the prompt stream ends. Each group records when its trajectories were
+requested and each trajectory when it was delivered: the ends of its time in flight.
+
+A trajectory the workflow could not produce through no fault of the policy (``Trajectory.failure``:
+its environment raised, hung or broke its protocol) drops its group with that reason in the
+ledger; the slot refills, and the group's other trajectories are discarded as they arrive. A
+workflow that declares ``use_trace(recorder)`` is given the run's trace before the first call.
 """
 
 from __future__ import annotations
@@ -66,7 +76,13 @@ class GenerateStateMachine(StateMachine):
 
     async def main(self) -> None:
         gate = self.services.gate
+        use_trace = getattr(self.services.components.workflow, "use_trace", None)
+        if use_trace is not None:  # a workflow with spans of its own (environment steps) records them in the run's trace
+            use_trace(self.services.trace)
         async with _call_group() as calls:  # owns every in-flight engine call
+            regenerating = None
+            if self.config.staleness.on_stale == "recompute":
+                regenerating = calls.create_task(self._regenerate(calls))
             while True:
                 self._refresh_state(State.WAITING_INPUT)
                 groups = await self.receive(waiting=None)  # _refresh_state chose the state
@@ -82,8 +98,18 @@ class GenerateStateMachine(StateMachine):
                         admitted.append(self._admit(pending.popleft(), slot))
                     if admitted := await self._drop_over_budget(admitted):
                         calls.create_task(self._run_call(admitted))
+            if regenerating is not None:
+                regenerating.cancel()  # the prompt stream ended: no call is left to join
         assert self.outbox is not None
         self.outbox.close()
+
+    async def _regenerate(self, calls: asyncio.TaskGroup) -> None:
+        """Generate again each stale group the train role sends back (``on_stale: recompute``),
+        as the gate hands it out: same prompt, same step, its slot and ledger entry kept."""
+        while True:
+            group = await self.services.gate.next_regeneration()
+            self.version = group.admitted_version
+            calls.create_task(self._run_call([group]))
 
     def _admit(self, group: PromptGroup, admission: Admission) -> PromptGroup:
         group.step = admission.step
@@ -129,14 +155,21 @@ class GenerateStateMachine(StateMachine):
         # that became whole before the failure is neither dropped nor named.
         incomplete = list(groups)
         assert self.outbox is not None
+        loop = asyncio.get_running_loop()
+        for group in groups:
+            group.requested_s = loop.time()  # each trajectory's time in flight starts here
 
         async def call() -> None:
             # Only what has not been delivered yet: a retry never duplicates a trajectory.
             async for trajectory in workflow.rollout(list(todo.values())):
                 del todo[(trajectory.prompt_id, trajectory.index)]
-                generation = Generation(by_id[trajectory.prompt_id], trajectory)
-                if not self.outbox.try_send(generation):  # no coroutine per item while there is room
-                    await self.outbox.send(generation)
+                trajectory.finished_s = loop.time()
+                if trajectory.failure is not None:  # not the policy's doing: the group goes, with the reason
+                    await self.drop([by_id[trajectory.prompt_id]], trajectory.failure)
+                else:
+                    generation = Generation(by_id[trajectory.prompt_id], trajectory)
+                    if not self.outbox.try_send(generation):  # no coroutine per item while there is room
+                        await self.outbox.send(generation)
                 self.items_done += 1
                 missing[trajectory.prompt_id] -= 1
                 if not missing[trajectory.prompt_id]:

@@ -14,6 +14,7 @@ from typing import Any
 
 from core.channel import ReceiveChannel, SendChannel
 from state_machines.base import FlowServices, StateMachine
+from state_machines.critic import CriticStateMachine
 from state_machines.dataloader import DataloaderStateMachine
 from state_machines.generate import GenerateStateMachine
 from state_machines.logp import LogPStateMachine
@@ -34,6 +35,7 @@ ROLE_STATE_MACHINES: dict[str, type[StateMachine]] = {
         RolloutStateMachine,
         LogPStateMachine,
         RefLogPStateMachine,
+        CriticStateMachine,
         RewardStateMachine,
         TrainStateMachine,
         ParamUpdateStateMachine,

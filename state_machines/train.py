@@ -1,31 +1,45 @@
 """The train role: one optimizer step per training step, on exactly that step's groups.
 
 It owns the algorithm: each group's advantages come from ``algorithms`` by the configured name
-(``algorithm.advantage``), decoupled PPO's proximal log-probs are the trainer's at this very step
-(rescored if the logp role scored them at an older version), and the engine is handed the
-configured policy objective (``algorithms.PolicyObjective`` over ``algorithm``): engines compute
-log-probs and gradients and know no algorithm.
+(``algorithm.advantage``: a group estimator over the rewards, or GAE over a critic's values),
+rewards are shaped as configured first (DAPO's soft over-long penalty), decoupled PPO's proximal
+log-probs come from where ``algorithm.proximal`` says (``recompute``: the trainer's at this very
+step, rescored if the logp role scored them at an older version), and the engine is handed the
+configured policy objective (``algorithms.PolicyObjective``): engines compute log-probs and
+gradients and know no algorithm.
 
-Groups arrive in completion order; they are held by step, and step ``t`` runs once all
+Groups arrive in completion order and are judged on arrival (``state_machines.consumption``:
+staleness at consumption, dynamic sampling), which may drop one, send it back to be generated
+again or withhold it to the next step; the others are held by step, and step ``t`` runs once all
 ``prompts_per_step`` groups assigned to it are in (a drop refills the step, see the gate).
-Before each step the staleness of every group is checked against the bound, a violation
-stops the run (it would mean the gate is wrong). After the step the trained version moves
-forward, which lets parameter sync and then admission move on, and every ``run.save_steps``
-a checkpoint is written before the next step can begin. On a clean stop, a step once begun is
-finished and recorded first. Holding at most ``k + 1`` steps of groups, the buffer is bounded
-by the in-flight cap.
+Before each step the staleness of every group is checked against the bound it was admitted
+under; a violation stops the run (it would mean the gate is wrong). After the step the trained
+version moves forward, which lets parameter sync and then admission move on, every
+``run.save_steps`` a checkpoint is written before the next step can begin, and with a critic the
+step's trajectories (with their GAE returns) go to the critic role to train on. On a clean stop,
+a step once begun is finished and recorded first. Holding at most ``k + 1`` steps of groups, the
+buffer is bounded by the in-flight cap.
+
+Every trained trajectory's lag is recorded with its step (``StepRecord``): its staleness at
+consumption, the version span of its tokens, its time in flight and queued, and with a critic
+the staleness of its values.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Coroutine
 from typing import Any
 
 from algorithms import PolicyObjective, compute_advantages
+from algorithms.shaping import soft_overlong_penalty
+from core.channel import SendChannel
 from core.history import StepRecord
-from core.records import Trajectory, TrajectoryGroup
+from core.records import FinishReason, Trajectory, TrajectoryGroup
 from state_machines.base import FlowServices, StateMachine
+from state_machines.consumption import Consumption, version_span
+from state_machines.critic import CriticBatch
 
 __all__ = ["TrainStateMachine"]
 
@@ -35,7 +49,13 @@ class TrainStateMachine(StateMachine):
 
     def __init__(self, name: str, services: FlowServices, **channels: object) -> None:
         super().__init__(name, services, **channels)  # type: ignore[arg-type]
-        self.objective = PolicyObjective(services.config.algorithm)
+        algo = services.config.algorithm
+        self.objective = PolicyObjective(algo, algo.proximal)
+        self.consumption = Consumption(services, name, self.shaped_rewards)
+        # The consumption policy is this role's: slots it gives back are refilled only under the
+        # consumption bound (set before any role runs, so every admission sees it).
+        services.gate.refill_bound = services.config.staleness.refill_bound
+        self.critic_batches: SendChannel[CriticBatch] | None = None  # set by the stage graph with a critic
 
     async def main(self) -> None:
         services = self.services
@@ -50,40 +70,107 @@ class TrainStateMachine(StateMachine):
                     f"({len(pending.get(step, []))} arrived)"
                 )
             for group in items:
-                pending.setdefault(group.step, []).append(group)
+                held = await self.consumption.accept(group)
+                if held is not None:
+                    pending.setdefault(held, []).append(group)
             while step < self.config.run.max_steps and len(pending.get(step, ())) >= per_step:
                 # Prompt order, not arrival order: the same batch always gives the same update.
                 batch = sorted(pending.pop(step), key=lambda g: g.prompt_id)
                 if await self._finish_on_clean_stop(self._train(step, batch)):
+                    await self._feed_critic(step, batch)
                     step += 1
 
+    def shaped_rewards(self, group: TrajectoryGroup) -> list[float]:
+        """The rewards the group's advantages are computed from: each trajectory's reward plus
+        DAPO's soft over-long penalty when ``algorithm.overlong_buffer`` is set. Every
+        trajectory must have a reward."""
+        missing = [t.index for t in group.trajectories if t.reward is None]
+        if missing:
+            raise ValueError(f"prompt {group.prompt_id}: trajectories {missing} reached training without a reward")
+        buffer = self.config.algorithm.overlong_buffer
+        rewards = [float(t.reward) for t in group.trajectories]  # type: ignore[arg-type]
+        if buffer is None:
+            return rewards
+        longest = self.config.rollout.max_new_tokens
+        return [
+            r + soft_overlong_penalty(t.num_actions, max_length=longest, cache_length=buffer)
+            for r, t in zip(rewards, group.trajectories, strict=True)
+        ]
+
     def advantages(self, batch: list[TrajectoryGroup]) -> list[Trajectory]:
-        """Set every trajectory's advantage from its group's rewards; return the trajectories."""
+        """Set every trajectory's advantage from its group's (shaped) rewards, or its per-action
+        advantages and returns by GAE; return the trajectories."""
         algo = self.config.algorithm
-        rewards = []
-        for group in batch:
-            missing = [t.index for t in group.trajectories if t.reward is None]
-            if missing:
-                raise ValueError(f"prompt {group.prompt_id}: trajectories {missing} reached training without a reward")
-            rewards.append([t.reward for t in group.trajectories])
+        rewards = [self.shaped_rewards(group) for group in batch]
+        if algo.advantage == "gae":
+            return self._gae(batch, [r for group in rewards for r in group])
         options = {"normalize_std": algo.normalize_std} if algo.advantage == "grpo" else {}
         for group, advantages in zip(batch, compute_advantages(algo.advantage, rewards, **options), strict=True):
             for trajectory, advantage in zip(group.trajectories, advantages.tolist(), strict=True):
                 trajectory.advantage = advantage
         return [t for g in batch for t in g.trajectories]
 
+    def _gae(self, batch: list[TrajectoryGroup], scores: list[float]) -> list[Trajectory]:
+        """GAE over the critic's values with the outcome reward on each trajectory's last trained
+        action, whitened over the step's trained actions (verl's ``compute_gae_advantage_return``)."""
+        import torch  # the critic's path only: group estimators run without torch
+
+        from algorithms.gae import gae_advantages, outcome_token_rewards, whiten
+
+        algo = self.config.algorithm
+        trajectories = [t for g in batch for t in g.trajectories]
+        missing = [(t.prompt_id, t.index) for t in trajectories if t.values is None]
+        if missing:
+            raise ValueError(f"trajectories {missing[:8]} reached training without the critic's values")
+        width = max(1, max(t.num_actions for t in trajectories))
+        values = torch.zeros(len(trajectories), width, dtype=torch.float64)
+        mask = torch.zeros_like(values)
+        for i, t in enumerate(trajectories):
+            values[i, : t.num_actions] = torch.tensor(t.values, dtype=torch.float64)
+            mask[i, : t.num_actions] = torch.tensor(t.loss_mask or [1] * t.num_actions, dtype=torch.float64)
+        # A trajectory without trained actions has nowhere to put its reward: it scores 0.
+        outcome = torch.tensor(scores, dtype=torch.float64) * (mask.sum(dim=-1) > 0)
+        advantages, returns = gae_advantages(
+            outcome_token_rewards(outcome, mask), values, mask, gamma=algo.gae_gamma, lam=algo.gae_lambda
+        )
+        advantages = whiten(advantages, mask)
+        for i, t in enumerate(trajectories):
+            t.token_advantages = advantages[i, : t.num_actions].tolist()
+            t.returns = returns[i, : t.num_actions].tolist()
+        return trajectories
+
+    def overlong_filtered(self, trajectories: list[Trajectory]) -> tuple[list[Trajectory], int]:
+        """DAPO's over-long filtering (``algorithm.overlong_filter``): the trajectories as the
+        policy trains them, those cut at the length limit with every action masked out of the
+        loss (copies: the critic still learns from them), and how many were. A step whose every
+        trajectory was cut trains them as they are: nothing would be left to train."""
+        if not self.config.algorithm.overlong_filter:
+            return trajectories, 0
+        cut = [t.finish_reason is FinishReason.LENGTH for t in trajectories]
+        if all(cut):
+            self.log.warning("every trajectory of the step hit the length limit: over-long filtering skipped")
+            return trajectories, 0
+        kept = [dataclasses.replace(t, loss_mask=[0] * t.num_actions) if c else t for t, c in zip(trajectories, cut, strict=True)]
+        return kept, sum(cut)
+
     async def _step(self, batch: list[TrajectoryGroup]) -> dict[str, float]:
         """One optimizer step, under the train lock (which the logp role shares): proximal
         log-probs brought to the trainer's version, advantages set, the objective minimised."""
         trainer = self.services.components.trainer
-        trajectories = self.advantages(batch)
+        trajectories, filtered = self.overlong_filtered(self.advantages(batch))
         rescored = await self.refresh_proximal(trajectories)
         metrics = await trainer.train_step(trajectories, self.objective)
-        return {**metrics, "prox_rescored_fraction": rescored / len(trajectories)} if self.uses_proximal else metrics
+        extra: dict[str, float] = {}
+        if self.uses_proximal:
+            extra["prox_rescored_fraction"] = rescored / len(trajectories)
+        if self.config.algorithm.overlong_filter:
+            extra["overlong_filtered_fraction"] = filtered / len(trajectories)
+        return {**metrics, **extra}
 
     @property
     def uses_proximal(self) -> bool:
-        return self.config.algorithm.decoupled and "logp" in self.config.flow.stages
+        algo = self.config.algorithm
+        return algo.decoupled and algo.proximal == "recompute" and "logp" in self.config.flow.stages
 
     async def refresh_proximal(self, trajectories: list[Trajectory]) -> int:
         """Make every trajectory's proximal log-probs the trainer's at this step; return how many
@@ -93,7 +180,8 @@ class TrainStateMachine(StateMachine):
         logp role scores a group when it arrives, with whatever version the trainer had then, so
         with k >= 1 a group scored at version t - 1 may be trained at version t: those are scored
         again here (the train lock keeps the weights still in between), and a proximal version
-        other than the trainer's is an error, never silently trained.
+        other than the trainer's is an error, never silently trained. (With
+        ``algorithm.proximal: current`` the objective takes them from the step's own forward pass.)
         """
         if not self.uses_proximal:
             return 0
@@ -130,6 +218,9 @@ class TrainStateMachine(StateMachine):
         tokens = sum(t.num_actions for t in trajectories)
         self.items_done += len(trajectories)
         rewards = [t.reward for t in trajectories if t.reward is not None]
+        requested = {g.prompt_id: g.group.requested_s for g in batch}
+        timed = [(requested[t.prompt_id], t.finished_s) for t in trajectories]
+        timed = [(r, f) for r, f in timed if r is not None and f is not None]
         services.history.add(
             StepRecord(
                 step=step,
@@ -145,11 +236,22 @@ class TrainStateMachine(StateMachine):
                 prompt_ids=[g.prompt_id for g in batch],
                 train_metrics=dict(metrics),
                 rollout_metrics=rollout_metrics(trajectories),
+                trajectory_staleness=[step - t.start_version for t in trajectories],
+                version_span=[version_span(t) for t in trajectories],
+                in_flight_s=[round(f - r, 6) for r, f in timed],
+                queued_s=[round(started - f, 6) for _, f in timed],
+                value_staleness=[step - t.value_version for t in trajectories if t.values is not None],
+                consumption=self.consumption.pop(step),
             )
         )
         if services.checkpoints is not None:
             await services.checkpoints.after_step(version, services.ledger, services.gate.syncs)
         return True
+
+    async def _feed_critic(self, step: int, batch: list[TrajectoryGroup]) -> None:
+        """Hand a trained step's trajectories to the critic role (waits while it is a step behind)."""
+        if self.critic_batches is not None:
+            await self.critic_batches.send(CriticBatch(step, [t for g in batch for t in g.trajectories]))
 
     async def _finish_on_clean_stop(self, step: Coroutine[Any, Any, bool]) -> bool:
         """Run a train step; on a clean stop, finish it before passing the cancellation on.

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import typing
 
-from algorithms import ADVANTAGE_ESTIMATORS
+from algorithms import ADVANTAGE_ESTIMATORS, PROXIMAL_SOURCES
 from algorithms.corrections import CORRECTION_LEVELS
 from algorithms.kl import KL_ESTIMATORS
 from algorithms.losses import AGGREGATIONS, BEHAVIOUR_WEIGHT_MODES, EXACT_KL, POLICY_LOSSES, LossSettings
@@ -21,7 +21,8 @@ def literal_values(field: str) -> set[str]:
 
 def test_config_choices_match_the_registries() -> None:
     assert literal_values("loss") == set(POLICY_LOSSES)
-    assert literal_values("advantage") == set(ADVANTAGE_ESTIMATORS)
+    assert literal_values("advantage") == set(ADVANTAGE_ESTIMATORS) | {"gae"}  # gae: per action, from the critic
+    assert literal_values("proximal") == set(PROXIMAL_SOURCES)
     assert literal_values("kl_estimator") == set(KL_ESTIMATORS) | {EXACT_KL}  # exact: the engine computes it
     assert literal_values("aggregation") == set(AGGREGATIONS)
     assert literal_values("behaviour_weight_mode") == set(BEHAVIOUR_WEIGHT_MODES)

@@ -1,0 +1,191 @@
+"""The embedded critic: a value model built from the policy's own checkpoint, trained on its own thread.
+
+What it owns: :class:`ValueModel`, the causal LM's decoder (the transformer body of the same
+Hugging Face checkpoint the policy starts from, without its LM head) with a scalar head on the
+last hidden state, and :class:`TorchValueEngine`, which scores and trains it on a dedicated worker
+thread with its own AdamW optimizer and version (``core.protocols.ValueEngine``).
+
+The value of action ``t`` is the value of the state *before* it: the head reads the hidden state
+at the position whose logits predict token ``t`` (the same positions the policy's log-probs are
+read at, ``engines.torch_microbatch``), so values, log-probs and GAE line up action by action.
+The head starts at zero (every value 0 until the critic has trained): a neutral baseline, and
+the body starts from the pretrained weights (verl and OpenRLHF initialise their critics from
+the policy's checkpoint too). No dropout: the model stays in ``eval()`` mode while training, as
+the policy does.
+
+Invariants: ``version`` counts optimizer steps (plus a restored checkpoint's); weights and
+version change together on the worker thread; one ``train_step`` is one optimizer step whatever
+its micro-batches (each micro-batch loss weighted by its share of the step's trained actions or
+sequences, as ``objective.mean_over`` says).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from algorithms.gae import ValueInputs
+from core.protocols import LossObjective
+from core.records import Trajectory
+from engines.threads import budgeted_executor
+from engines.torch_microbatch import MicroBatch, collate, plan_micro_batches, token_payload
+from engines.torch_train import StepTotals
+
+__all__ = ["CRITIC_STATE_FILE", "TorchValueEngine", "ValueModel"]
+
+CRITIC_STATE_FILE = "critic.pt"  # what the critic's save_state writes into a checkpoint folder
+_T = TypeVar("_T")
+
+
+class ValueModel(torch.nn.Module):
+    """A causal LM's decoder with a scalar value head (zero-initialised) on its last hidden state."""
+
+    def __init__(self, model_path: str, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        lm = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+        self.body = lm.get_decoder()
+        self.head = torch.nn.Linear(lm.config.hidden_size, 1, dtype=dtype)
+        torch.nn.init.zeros_(self.head.weight)
+        torch.nn.init.zeros_(self.head.bias)
+
+    def forward(self, batch: MicroBatch) -> torch.Tensor:
+        """Values ``[rows, R]`` (float32) of the state before each response token; 0 on padding."""
+        hidden = self.body(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state
+        kept = hidden[:, -batch.logits_to_keep :, :]
+        index = batch.gather_index.unsqueeze(-1).expand(-1, -1, kept.shape[-1])
+        return self.head(kept.gather(1, index)).squeeze(-1).float() * batch.mask
+
+
+class TorchValueEngine:
+    """The critic of ``algorithm.advantage: gae`` on the embedded torch engines."""
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        lr: float,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+        weight_decay: float = 0.0,
+        max_grad_norm: float = 1.0,
+        max_tokens_per_micro_batch: int = 4096,
+        num_threads: int = 1,
+    ) -> None:
+        if max_grad_norm <= 0 or max_tokens_per_micro_batch < 1:
+            raise ValueError("max_grad_norm must be > 0 and max_tokens_per_micro_batch >= 1")
+        self._device = torch.device(device)
+        self._max_tokens = max_tokens_per_micro_batch
+        self._max_grad_norm = max_grad_norm
+        self._model = ValueModel(model_path, dtype).to(self._device).eval()
+        self._optimizer = torch.optim.AdamW(self._model.parameters(), lr=lr, weight_decay=weight_decay)
+        self._version = 0
+        self._executor = budgeted_executor("torch-critic", num_threads)
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def model(self) -> ValueModel:
+        """The model, for inspection; mutate it only through the engine's methods."""
+        return self._model
+
+    async def values(self, trajectories: Sequence[Trajectory]) -> list[list[float]]:
+        return await self._on_worker(self._values, list(trajectories))
+
+    async def train_step(self, batch: Sequence[Trajectory], objective: LossObjective) -> dict[str, float]:
+        """One optimizer step on ``batch``: each trajectory's ``values`` (those its ``returns``
+        were computed with) and ``returns`` go to ``objective`` as :class:`ValueInputs`."""
+        if objective.mean_over not in ("tokens", "sequences"):
+            raise ValueError(f"objective.mean_over must be 'tokens' or 'sequences', got {objective.mean_over!r}")
+        return await self._on_worker(self._train_step, list(batch), objective)
+
+    async def save_state(self, folder: Path) -> None:
+        """Write ``critic.pt`` (weights, optimizer, version) into ``folder``, after queued work."""
+        await self._on_worker(self._save, Path(folder) / CRITIC_STATE_FILE)
+
+    async def load_state(self, folder: Path) -> None:
+        await self._on_worker(self._load, Path(folder) / CRITIC_STATE_FILE)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)
+
+    async def _on_worker(self, fn: Callable[..., _T], *args: Any) -> _T:
+        return await asyncio.wrap_future(self._executor.submit(fn, *args))
+
+    # ------------------------------------------------------------------ worker thread only
+
+    def _micro_batches(self, trajectories: Sequence[Trajectory], indices: list[int]) -> Iterator[MicroBatch]:
+        lengths = [len(token_payload(trajectories[i]).prompt_ids) + trajectories[i].num_actions for i in indices]
+        for group in plan_micro_batches(lengths, self._max_tokens):
+            yield collate(trajectories, [indices[j] for j in group], self._device)
+
+    def _values(self, trajectories: list[Trajectory]) -> list[list[float]]:
+        out: list[list[float]] = [[] for _ in trajectories]
+        scored = [i for i, t in enumerate(trajectories) if t.num_actions > 0]
+        with torch.no_grad():
+            for batch in self._micro_batches(trajectories, scored):
+                values = self._model(batch)
+                for row, i in enumerate(batch.indices):
+                    out[i] = values[row, : trajectories[i].num_actions].tolist()
+        return out
+
+    def _train_step(self, samples: list[Trajectory], objective: LossObjective) -> dict[str, float]:
+        for s in samples:
+            for name in ("values", "returns"):
+                values = getattr(s, name)
+                if values is None or len(values) != s.num_actions:
+                    raise ValueError(f"trajectory {s.prompt_id}/{s.index}: {name} missing or not one per action")
+        trained = [i for i, s in enumerate(samples) if s.num_trained > 0]
+        totals = StepTotals(objective.mean_over, sum(samples[i].num_trained for i in trained), len(trained))  # type: ignore[arg-type]
+        if totals.tokens == 0:
+            raise ValueError("critic train_step on trajectories without trained actions")
+        self._optimizer.zero_grad(set_to_none=True)
+        sums: dict[str, float] = {}
+        for batch in self._micro_batches(samples, trained):
+            rows = [samples[i] for i in batch.indices]
+            mask = batch.loss_mask
+            inputs = ValueInputs(
+                values=self._model(batch),
+                old_values=_padded([s.values for s in rows], mask),
+                returns=_padded([s.returns for s in rows], mask),
+                mask=mask,
+            )
+            loss, metrics = objective(inputs)
+            weight = totals.weight(batch)
+            (loss * weight).backward()
+            for key, value in metrics.items():
+                sums[key] = sums.get(key, 0.0) + weight * value
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self._model.parameters(), self._max_grad_norm))
+        if not math.isfinite(grad_norm):
+            self._optimizer.zero_grad(set_to_none=True)
+            raise FloatingPointError(f"critic: non-finite gradient norm {grad_norm} at version {self._version}")
+        self._optimizer.step()
+        self._optimizer.zero_grad(set_to_none=True)
+        self._version += 1
+        return {**sums, "grad_norm": grad_norm}
+
+    def _save(self, path: Path) -> None:
+        state = {"model": self._model.state_dict(), "optimizer": self._optimizer.state_dict(), "version": self._version}
+        torch.save(state, path)
+
+    def _load(self, path: Path) -> None:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        self._model.load_state_dict(state["model"])
+        self._optimizer.load_state_dict(state["optimizer"])
+        self._version = state["version"]
+
+
+def _padded(rows: list[list[float] | None], mask: torch.Tensor) -> torch.Tensor:
+    """Right-pad per-action values to ``mask``'s shape with zeros (present: checked by the caller)."""
+    out = torch.zeros(mask.shape, dtype=torch.float32)
+    for b, values in enumerate(rows):
+        assert values is not None
+        out[b, : len(values)] = torch.tensor(values, dtype=torch.float32)
+    return out.to(mask.device)
