@@ -158,10 +158,11 @@ class TrainStateMachine(StateMachine):
         log-probs brought to the trainer's version, advantages set, the objective minimised."""
         trainer = self.services.components.trainer
         trajectories, filtered = self.overlong_filtered(self.advantages(batch))
-        rescored = await self.refresh_proximal(trajectories)
+        scored, rescored = await self.refresh_proximal(trajectories)
         metrics = await trainer.train_step(trajectories, self.objective)
         extra: dict[str, float] = {}
         if self.uses_proximal:
+            extra["prox_scored_in_step_fraction"] = scored / len(trajectories)
             extra["prox_rescored_fraction"] = rescored / len(trajectories)
         if self.config.algorithm.overlong_filter:
             extra["overlong_filtered_fraction"] = filtered / len(trajectories)
@@ -172,22 +173,24 @@ class TrainStateMachine(StateMachine):
         algo = self.config.algorithm
         return algo.decoupled and algo.proximal == "recompute" and "logp" in self.config.flow.stages
 
-    async def refresh_proximal(self, trajectories: list[Trajectory]) -> int:
+    async def refresh_proximal(self, trajectories: list[Trajectory]) -> tuple[int, int]:
         """Make every trajectory's proximal log-probs the trainer's at this step; return how many
-        were rescored.
+        were scored here, and how many of those had been scored before at another version.
 
         Decoupled PPO's proximal policy is the policy at the start of the train step (AReaL). The
-        logp role scores a group when it arrives, with whatever version the trainer had then, so
-        with k >= 1 a group scored at version t - 1 may be trained at version t: those are scored
-        again here (the train lock keeps the weights still in between), and a proximal version
-        other than the trainer's is an error, never silently trained. (With
+        logp role scores a group ahead of its step only once the trainer has reached the group's
+        step, and passes earlier arrivals through unscored: those are scored here (the train lock
+        keeps the weights still in between). A group scored ahead and then trained a step later
+        (withheld to the next step) is scored again, the wasted forward pass the second count
+        reports; a proximal version other than the trainer's is never silently trained. (With
         ``algorithm.proximal: current`` the objective takes them from the step's own forward pass.)
         """
         if not self.uses_proximal:
-            return 0
+            return 0, 0
         trainer = self.services.components.trainer
         version = trainer.version
         stale = [t for t in trajectories if t.prox_version != version or t.prox_logprobs is None]
+        rescored = sum(t.prox_logprobs is not None for t in stale)
         if stale:
             for trajectory, logprobs in zip(stale, await trainer.logprobs(stale), strict=True):
                 if len(logprobs) != trajectory.num_actions:
@@ -197,7 +200,7 @@ class TrainStateMachine(StateMachine):
                 trajectory.prox_logprobs, trajectory.prox_version = logprobs, version
         if trainer.version != version:
             raise RuntimeError(f"the trainer moved from version {version} to {trainer.version} while scoring proximal log-probs")
-        return len(stale)
+        return len(stale), rescored
 
     async def _train(self, step: int, batch: list[TrajectoryGroup]) -> bool:
         """Train one step; False if the error policy dropped the batch (the step is refilled)."""
