@@ -39,7 +39,7 @@ def _flat(prefix: str, values: dict[str, Any]) -> Iterator[tuple[str, float]]:
 
 def scalars(row: dict[str, Any]) -> tuple[int, dict[str, float]]:
     """(global step, ``name -> value``) of one ``metrics.jsonl`` row; names are grouped by kind
-    (``step/``, ``train/``, ``rollout/``, ``validation/``, ``mode/``)."""
+    (``step/``, ``train/``, ``rollout/``, ``validation/``, ``mode/``, ``critic/``)."""
     kind = row.get("kind")
     if kind == "step":
         staleness = row.get("staleness") or [0]
@@ -54,6 +54,10 @@ def scalars(row: dict[str, Any]) -> tuple[int, dict[str, float]]:
     if kind == "mode":
         return row["trained_version"], {"mode/degraded": float(row["degraded"]),
                                         "mode/staleness_bound": float(row["staleness_bound"])}
+    if kind == "critic":  # on the policy's axis: the critic's step trained on this policy step's batch
+        values = dict(_flat("critic/", row.get("metrics", {})))
+        values["critic/version"] = float(row["version"])
+        return row["policy_step"] + 1, values
     raise ValueError(f"unknown metrics row kind {kind!r}")
 
 

@@ -55,8 +55,15 @@ def check_image_config(config: TandemConfig) -> TorchEnginesConfig:
     spec = config.engines
     if not isinstance(spec, TorchEnginesConfig):
         raise ConfigError("the image workload runs on engines.type=torch")
+    if spec.rollout != "embedded":
+        raise ConfigError(f"engines.rollout={spec.rollout}: the image workload samples with the embedded diffusers engine")
     if spec.train_world_size != 1:
         raise ConfigError("engines.train_world_size: the image train engine runs one rank (data parallelism is text-only)")
+    if spec.train != "torch" or spec.data_parallel != "ddp":
+        raise ConfigError(
+            f"engines.train={spec.train}, engines.data_parallel={spec.data_parallel}: the image workload trains with "
+            "its own diffusers engine (engines.train=torch, engines.data_parallel=ddp)"
+        )
     if "ref_logp" in config.flow.stages:
         raise ConfigError(
             "flow.stages: the image workload's KL is exact (algorithm.kl_estimator=exact, computed by the train "

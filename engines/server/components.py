@@ -78,10 +78,10 @@ def build_server_components(config: TandemConfig, setup: TaskSetup) -> Component
     gen_threads, train_threads = thread_budgets(config)
     scratch = Path(tempfile.mkdtemp(prefix="tandem-servers-"))
     fleet: ServerFleet | None = None
-    if not servers.urls:
-        fleet = server_fleet(config, model_path, gen_threads, config.run.output_dir / config.run.name / "servers")
-        fleet.launch()
-    try:
+    try:  # a failure anywhere below stops every server already spawned and removes the scratch folder
+        if not servers.urls:
+            fleet = server_fleet(config, model_path, gen_threads, config.run.output_dir / config.run.name / "servers")
+            fleet.launch()
         router = ServerRolloutEngine(
             servers.urls or fleet.urls,  # type: ignore[union-attr]
             decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
@@ -113,6 +113,7 @@ def build_server_components(config: TandemConfig, setup: TaskSetup) -> Component
     except BaseException:
         if fleet is not None:
             fleet.stop()
+        shutil.rmtree(scratch, ignore_errors=True)
         raise
 
     async def checkpoint(folder: Path) -> None:

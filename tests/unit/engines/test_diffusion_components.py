@@ -62,6 +62,9 @@ def test_a_digits_config_builds_the_image_bundle() -> None:
     ("sections", "message"),
     [
         ({"engines": {"train_world_size": 2}}, "train_world_size"),
+        ({"engines": {"rollout": "server"}}, "engines.rollout=server"),
+        ({"engines": {"train": "megatron"}}, "engines.train=megatron"),
+        ({"engines": {"data_parallel": "fsdp2"}}, "engines.data_parallel=fsdp2"),
         ({"algorithm": {"decoupled": False, "kl_estimator": "k3", "kl_coef": 0.1},
           "flow": {"stages": ["dataloader", "generate", "rollout", "ref_logp", "reward", "train"]}}, "exact"),
     ],

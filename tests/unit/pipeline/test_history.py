@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from core.history import RunHistory, StepRecord, read_step_rows
+from core.history import CriticRecord, RunHistory, StepRecord, read_step_rows
 from pipeline import AsyncTrainingFlow
 from pipeline.tracking import scalars
 from tests.conftest import make_config, run_virtual
@@ -60,6 +60,9 @@ def test_rows_become_scalars_on_the_policy_version_axis() -> None:
     assert (global_step, values) == (50, {"validation/accuracy": 0.5, "validation/reward_mean": 0.4})
     global_step, values = scalars({"kind": "mode", "trained_version": 7, "degraded": True, "staleness_bound": 0})
     assert (global_step, values) == (7, {"mode/degraded": 1.0, "mode/staleness_bound": 0.0})
+    critic = CriticRecord(version=3, policy_step=6, time_s=1.0, metrics={"value_loss": 0.2})
+    global_step, values = scalars(critic.to_json())
+    assert (global_step, values) == (7, {"critic/value_loss": 0.2, "critic/version": 3.0})
 
 
 def test_tensorboard_gets_every_step_and_validation(tmp_path: Path) -> None:
