@@ -18,6 +18,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 __all__ = [
+    "AgenticConfig",
     "AlgorithmConfig",
     "ClusterConfig",
     "ConfigError",
@@ -271,7 +272,7 @@ class RolloutConfig(_Model):
     samples_per_prompt: int = Field(4, ge=1)
     """n: samples per prompt group (GRPO's group size)."""
     max_new_tokens: int = Field(64, ge=1)
-    """Longest response, in tokens."""
+    """Longest response, in tokens; in an episode (tasks of kind ``episode``), longest model turn."""
     temperature: float = Field(1.0, gt=0.0)
     """Sampling temperature."""
     top_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -319,6 +320,34 @@ class DiffusionConfig(_Model):
                     f"diffusion.sde_window_latest_start must be <= train_steps - sde_window = "
                     f"{self.train_steps - self.sde_window}, got {self.sde_window_latest_start}"
                 )
+        return self
+
+
+class AgenticConfig(_Model):
+    """Multi-turn episodes (tasks of kind ``episode``): the rollout workflow and the environments it plays."""
+
+    workflow: str = "environment"
+    """The rollout workflow: a built-in name (``environment``: the environment manager plays the
+    task's environment; ``single_turn``: one completion per request) or ``module:Class``, a
+    subclass of ``engines.agentic.AgentWorkflow`` (see ``engines/agentic/workflow.py``)."""
+    max_episodes: int = Field(64, ge=1)
+    """Episodes played at once (the rest wait their turn); also the environment worker threads."""
+    env_timeout_s: float = Field(10.0, gt=0.0)
+    """Longest an environment call (building it, ``reset``, a ``step``) may take; past it the
+    episode fails as a timeout and its group is dropped with the reason."""
+    isolation: Literal["thread", "process"] = "thread"
+    """Where environments run: ``thread`` (worker threads of this process: cheap, for trusted
+    environments) or ``process`` (a child process per episode, killed when it hangs: for
+    crash- or hang-prone ones)."""
+    max_context_tokens: int | None = Field(None, ge=2)
+    """An episode's token budget, first prompt through last turn; an episode whose next turn
+    would not fit ends as truncated. None: the model's context length."""
+
+    @model_validator(mode="after")
+    def _workflow_is_named(self) -> AgenticConfig:
+        name, colon, attribute = self.workflow.partition(":")
+        if not name or (colon and not attribute) or not all(part.isidentifier() for part in name.split(".")):
+            raise ValueError(f"agentic.workflow must be a built-in name or 'module:Class', got {self.workflow!r}")
         return self
 
 
@@ -788,6 +817,8 @@ class TandemConfig(_Model):
     """Held-out evaluation beside training."""
     diffusion: DiffusionConfig = DiffusionConfig()
     """Image sampling and training (used by the image workload only)."""
+    agentic: AgenticConfig = AgenticConfig()
+    """Multi-turn episodes: workflow and environments (used by the episode workload only)."""
 
     @model_validator(mode="after")
     def _cross_checks(self) -> TandemConfig:

@@ -5,7 +5,8 @@ the first observation; ``step(action_text)`` takes one model turn (its decoded t
 end-of-turn token) and returns a :class:`StepResult`; ``max_turns`` is the turn limit it declares
 and enforces (the step that reaches it reports ``truncated`` unless the episode terminated).
 Gymnasium environments plug in through thin adapters that render observations as text and parse
-actions (``tasks/frozenlake``); tools are environments too (``tasks/calculator``).
+actions (``tasks/frozenlake``); tools are environments too (``tasks/calculator``). A task of kind
+``episode`` names its environment through :class:`EnvironmentTask`.
 
 Environments are synchronous and not trusted to behave. :class:`EnvironmentRunner` drives each one
 from the event loop through an :class:`EnvironmentSession`: every call (building the environment,
@@ -54,6 +55,7 @@ __all__ = [
     "EnvironmentFactory",
     "EnvironmentRunner",
     "EnvironmentSession",
+    "EnvironmentTask",
     "EpisodeFailure",
     "FailureKind",
     "Isolation",
@@ -106,6 +108,21 @@ class Environment(Protocol):
 # Builds a fresh environment. Under process isolation it is pickled into the child, so it must
 # be importable by reference: a module-level class or function, or a functools.partial of one.
 EnvironmentFactory = Callable[[], Environment]
+
+
+@runtime_checkable
+class EnvironmentTask(Protocol):
+    """What a task of kind ``episode`` has beyond :class:`core.task.Task`: the environment it is played in.
+
+    Each item's ``meta["seed"]`` is the seed its episodes reset the environment with; all samples
+    of a group share it, so GRPO compares plays of the same start (as ROLL does) and only the
+    sampling differs. The item's ``prompt`` is the first observation as text (logs, the admission
+    budget); the environment's ``reset`` is what the episode actually starts from.
+    """
+
+    def environment(self) -> EnvironmentFactory:
+        """A factory of fresh environments with the task's options (picklable: see ``EnvironmentFactory``)."""
+        ...
 
 
 class EpisodeFailure(Exception):

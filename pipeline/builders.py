@@ -39,12 +39,15 @@ WORKLOADS: dict[tuple[str, str], str] = {
     ("ray", "text"): "engines.ray_components:build_ray_components",
     ("torch", "image"): "engines.diffusion.components:build_image_components",
     ("ray", "image"): "engines.diffusion.ray_backend:build_ray_image_components",
+    ("torch", "episode"): "engines.agentic.components:build_episode_components",
+    ("ray", "episode"): "engines.agentic.components:build_ray_episode_components",
 }
 
 # How each kind's trajectories are shown to reward functions.
 RENDERERS: dict[str, Callable[[Trajectory], Any]] = {
     "text": lambda trajectory: trajectory.payload.text,
     "image": lambda trajectory: trajectory.payload.image,  # numpy [C, H, W] (engines.diffusion.payload)
+    "episode": lambda trajectory: trajectory.payload,  # engines.agentic.EpisodePayload: tokens, text, turns, env rewards
 }
 
 

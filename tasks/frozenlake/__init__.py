@@ -1,6 +1,8 @@
 """FrozenLake: a multi-turn environment task with a small model shipped for it.
 
-The public face of the task, so other code never hard-codes paths or formats: the environment
+The public face of the task, so other code never hard-codes paths or formats: the task plugin
+(``make_task``, found by ``task.name: frozenlake``, options ``slippery``, ``size``, ``max_turns``;
+reward ``tasks.frozenlake.reward:reached_goal``), the environment
 (gymnasium's FrozenLake behind ``core.environment``'s protocol, text grid in, one action letter
 out), the maps per seed and the seed ranges, the BFS expert, the transcript format the model is
 trained on (which the environment manager reproduces token for token), and ``MODEL_DIR``, the
@@ -29,17 +31,22 @@ from tasks.frozenlake.maps import (
 
 MODEL_DIR: Path = Path(__file__).resolve().parent / "model"
 
+from tasks.frozenlake.task import HELD_OUT_MAPS, FrozenLakeTask, make_task  # noqa: E402  (needs MODEL_DIR)
+
 __all__ = [
     "ACTIONS",
     "FROZEN_PROBABILITY",
+    "HELD_OUT_MAPS",
     "HELD_OUT_SEEDS",
     "MAP_SIZE",
     "MAX_TURNS",
     "MODEL_DIR",
     "TRAIN_SEEDS",
     "FrozenLakeEnvironment",
+    "FrozenLakeTask",
     "expert_action",
     "generate_map",
+    "make_task",
     "parse_action",
     "render",
     "shortest_path",
