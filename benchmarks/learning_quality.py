@@ -22,12 +22,15 @@ into the rollout engine and each of ``--heldout`` held-out problems (the ones pr
 reports on) is sampled once at the training temperature; the fraction fully correct. With
 dynamic sampling the training reward is over the groups kept, which leaves out the equal-reward
 ones (all right or all wrong): it is not comparable with the other rows; its held-out accuracy is.
+Each row at k > 0 also has ``reward_delta_vs_k0`` and ``heldout_delta_vs_k0``: its difference from
+the same variant at k = 0, seed by seed (same prompts), with their 95 % intervals: the seeds'
+prompts move every row together, and the paired differences cancel that.
 
 The goal (issue 14): (b)-(d) within noise of k = 0 at every k, (a) visibly worse at k = 4.
 Prints a table and writes ``benchmarks/results/learning_quality.json``.
 
     python benchmarks/learning_quality.py [--steps 40] [--seeds 0 1 2] [--ks 0 1 2 4] [--heldout 64]
-        [--correction icepop] [key=value ...]
+        [--correction icepop] [--variants naive decoupled ...] [key=value ...]
 """
 
 from __future__ import annotations
@@ -72,6 +75,8 @@ CORRECTIONS: dict[str, list[str]] = {
         "algorithm.behaviour_weight_cap=2.0",
     ],
 }
+# The rows run at each k (see the module docstring): (a), (b), (b'), (c), (d).
+VARIANTS = ("naive", "decoupled", "decoupled_current", "corrected", "dynamic")
 # Student t 0.975 quantiles by degrees of freedom (no scipy needed for a handful of seeds).
 T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
 
@@ -79,8 +84,9 @@ T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8
 def variant(name: str, correction: str) -> dict[str, Any]:
     """The row labels and config overrides of one variant (see the module docstring)."""
     if name == "naive":
+        # proximal back to its default: the default job sets ``current``, which naive PPO refuses.
         return {"loss": "naive_ppo", "correction": "none", "dynamic_sampling": False, "proximal": "behaviour",
-                "overrides": ["algorithm.decoupled=false", WITHOUT_LOGP]}
+                "overrides": ["algorithm.decoupled=false", "algorithm.proximal=recompute", WITHOUT_LOGP]}
     proximal = "current" if name == "decoupled_current" else "recompute"
     chosen = correction if name in ("corrected", "dynamic") else "areal_token_mask"
     overrides = [f"algorithm.proximal={proximal}", WITHOUT_LOGP if proximal == "current" else WITH_LOGP,
@@ -150,8 +156,33 @@ def measure(args: argparse.Namespace, k: int, spec: dict[str, Any]) -> dict[str,
     }
 
 
+def add_paired_deltas(rows: list[dict[str, Any]]) -> None:
+    """Give each row its difference from the same variant at k = 0, paired by seed.
+
+    A seed fixes the prompts a run trains and is evaluated on, and the prompts move the reward
+    more than anything compared here (one seed's rows sit about 0.1 above another's at every k).
+    Differences taken seed by seed cancel that shared part, so their interval, not the rows'
+    own, says whether staleness changed the outcome."""
+    variant_key = ("loss", "correction", "dynamic_sampling", "proximal")
+    at_k0 = {tuple(r[key] for key in variant_key): r for r in rows if r["k"] == 0}
+    for r in rows:
+        base = at_k0.get(tuple(r[key] for key in variant_key))
+        if base is None or base["seeds"] != r["seeds"]:
+            continue
+        for metric in ("reward", "heldout"):
+            deltas = [a - b for a, b in zip(r[f"{metric}_per_seed"], base[f"{metric}_per_seed"], strict=True)]
+            r[f"{metric}_delta_vs_k0"] = statistics.fmean(deltas)
+            r[f"{metric}_delta_vs_k0_ci95"] = ci95(deltas)
+
+
 def _half(value: float | None) -> str:
     return "—" if value is None else f"{value:.3f}"
+
+
+def _delta(row: dict[str, Any], metric: str) -> str:
+    if row["k"] == 0 or f"{metric}_delta_vs_k0" not in row:
+        return ""
+    return f"{row[f'{metric}_delta_vs_k0']:+.3f} ± {_half(row[f'{metric}_delta_vs_k0_ci95'])}"
 
 
 def pick_correction(args: argparse.Namespace) -> tuple[str, list[dict[str, Any]]]:
@@ -173,6 +204,7 @@ def main() -> None:
     parser.add_argument("--ks", type=int, nargs="+", default=[0, 1, 2, 4])
     parser.add_argument("--heldout", type=int, default=64, help="held-out problems sampled after training")
     parser.add_argument("--correction", choices=sorted(CORRECTIONS), help="skip the sweep: use this correction for (c), (d)")
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS), help="the rows to run at each k")
     parser.add_argument("--config", default=str(CONFIG))
     parser.add_argument("--output", type=Path, default=RESULTS)
     parser.add_argument("overrides", nargs="*", help="dotted.key=value applied to every run (after --)")
@@ -183,21 +215,23 @@ def main() -> None:
     started = time.perf_counter()
     sweep: list[dict[str, Any]] = []
     correction = args.correction
-    if correction is None:
+    if correction is None and {"corrected", "dynamic"} & set(args.variants):
         correction, sweep = pick_correction(args)
     rows = []
     for k in args.ks:
-        for name in ("naive", "decoupled", "decoupled_current", "corrected", "dynamic"):
+        for name in args.variants:
             rows.append(measure(args, k, variant(name, correction)))
+    add_paired_deltas(rows)
 
     table = Table(title=f"Learning quality: arithmetic, {args.steps} steps per run, seeds {args.seeds}")
     for col in ("k", "loss", "correction", "proximal", "dyn. sampling", "reward (last 1/4)", "± ci95",
-                "held-out acc.", "± ci95", "generated / trained"):
+                "vs k = 0 (paired)", "held-out acc.", "± ci95", "vs k = 0 (paired)", "generated / trained"):
         table.add_column(col, justify="right")
     for r in rows:
         table.add_row(str(r["k"]), r["loss"], r["correction"], r["proximal"], "yes" if r["dynamic_sampling"] else "",
-                      f"{r['reward_mean']:.3f}", _half(r["reward_ci95"]), f"{r['heldout_accuracy']:.3f}",
-                      _half(r["heldout_ci95"]), f"{r['samples_generated_mean'] / r['samples_trained']:.2f}")
+                      f"{r['reward_mean']:.3f}", _half(r["reward_ci95"]), _delta(r, "reward"),
+                      f"{r['heldout_accuracy']:.3f}", _half(r["heldout_ci95"]), _delta(r, "heldout"),
+                      f"{r['samples_generated_mean'] / r['samples_trained']:.2f}")
     Console(width=180).print(table)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     doc = {
