@@ -24,11 +24,21 @@ local cluster of this machine's cores (default placement: training on one half o
 generation on the other), adds the per-step overhead of Ray over the in-process run of the
 same mode, and writes ``benchmarks/results/e2e_ray.json``.
 
-``--proximal-current`` runs every mode again with pi_prox taken from the train step's own
-forward pass (``algorithm.proximal=current``, no logp stage) and reports the time per step that
-saves (``step_time_saved_s`` on the ``<mode>_prox_current`` rows).
+``--proximal-recompute`` runs every mode again with pi_prox recomputed by the logp stage
+(``algorithm.proximal=recompute``; the default job takes it from the train step's own forward
+pass, the same values) and reports the time per step that recompute costs
+(``step_time_cost_s`` on the ``<mode>_prox_recompute`` rows).
 
-    python benchmarks/e2e.py [--steps 60] [--backend local|ray] [--rollout embedded|server] [--config ...] [key=value ...]
+Async rows also carry ``bound_vs_sync``: the samples/s the run would reach if its busiest role
+never waited (samples / max(generation busy, training busy)) over sync's. The async schedules
+give each phase one core where sync gives each all of them, so this, not ``ideal_speedup``
+(which uses the async run's own one-core times for both sides), is their ceiling over sync.
+
+    python benchmarks/e2e.py [--steps 60] [--repeat 3] [--backend local|ray] [--rollout embedded|server]
+        [--proximal-recompute] [--config ...] [key=value ...]
+
+``--repeat N`` measures every mode N times, each run against its own sync; the headline speedups
+are the medians, each run's in ``speedup_<mode>_vs_sync_runs``.
 """
 
 from __future__ import annotations
@@ -121,6 +131,7 @@ def row(mode: str, result: FlowResult, wall_s: float) -> dict[str, Any]:
         "generation_busy_s": gen,
         "training_busy_s": train,
         "ideal_speedup": (gen + train) / max(gen, train) if max(gen, train) > 0 else 1.0,
+        "busiest_role_s": max(gen, train),
         "staleness_counts": result.staleness_counts,
     }
 
@@ -148,48 +159,46 @@ def run_modes(args: argparse.Namespace, backend: str, rollout: str = "embedded")
     for r in rows:
         r["backend"] = backend
         r["rollout"] = rollout
-        r["speedup_vs_sync"] = r["samples_per_s"] / sync["samples_per_s"] if sync else None
+        with_sync(r, sync)
     return rows
 
 
-def proximal_current_rows(args: argparse.Namespace, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each mode of ``rows`` again with ``algorithm.proximal=current`` and no logp stage (pi_prox from
-    the train step's own forward pass, exact here), sync with the thread budget it won with: its
-    row, named ``<mode>_prox_current``, says how much time per step the skipped forward pass saves
-    (``step_time_saved_s``)."""
-    stages = [s for s in load_config(args.config).flow.stages if s != "logp"]
-    overrides = [*args.overrides, "algorithm.proximal=current", f"flow.stages=[{', '.join(stages)}]"]
+def with_sync(r: dict[str, Any], sync: dict[str, Any] | None) -> None:
+    """Add ``r``'s speedup over ``sync`` and, for an async row, its ceiling over sync (``bound_vs_sync``)."""
+    r["speedup_vs_sync"] = r["samples_per_s"] / sync["samples_per_s"] if sync else None
+    overlapped = sync is not None and r is not sync and r["busiest_role_s"] > 0
+    r["bound_vs_sync"] = r["samples"] / r["busiest_role_s"] / sync["samples_per_s"] if overlapped else None
+
+
+def proximal_recompute_rows(args: argparse.Namespace, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each mode of ``rows`` again with pi_prox recomputed by the logp stage, sync with the thread
+    budget it won with, against its own recompute sync: each row, named ``<mode>_prox_recompute``,
+    says how much time per step the extra forward pass costs (``step_time_cost_s``)."""
+    config = load_config(args.config)
+    if config.algorithm.proximal != "current" or "logp" in config.flow.stages:
+        raise SystemExit(f"--proximal-recompute compares with algorithm.proximal=current: {args.config} does not set it")
+    stages = [s for s in config.flow.stages if s not in ("reward", "train")] + ["logp", "reward", "train"]
+    overrides = [*args.overrides, "algorithm.proximal=recompute", f"flow.stages=[{', '.join(stages)}]"]
     budgets = dict(SYNC_BUDGETS)
-    sync = next((r for r in rows if r["mode"] == "sync"), None)
     out = []
     for base in [r for r in rows if r["mode"] in MODES and r["backend"] == "local" and r["rollout"] == "embedded"]:
         threads = budgets.get(base["threads"], [])
         result, wall = run_mode(args.config, MODES[base["mode"]], args.steps, [*overrides, *threads])
-        current = {**row(f"{base['mode']}_prox_current", result, wall), "threads": base["threads"],
-                   "backend": "local", "rollout": "embedded"}
-        current["speedup_vs_sync"] = current["samples_per_s"] / sync["samples_per_s"] if sync else None
-        current["step_time_saved_s"] = base["step_time_s"] - current["step_time_s"]
-        out.append(current)
+        recompute = {**row(f"{base['mode']}_prox_recompute", result, wall), "threads": base["threads"],
+                     "backend": "local", "rollout": "embedded"}
+        recompute["step_time_cost_s"] = recompute["step_time_s"] - base["step_time_s"]
+        out.append(recompute)
+    sync = next((r for r in out if r["mode"] == "sync_prox_recompute"), None)
+    for r in out:
+        with_sync(r, sync)
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--config", default=str(Path(__file__).parent.parent / "configs" / "default.yaml"))
-    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
-    parser.add_argument("--backend", default="local", choices=["local", "ray"])
-    parser.add_argument("--rollout", default="embedded", choices=["embedded", "server"],
-                        help="server: every mode also with generation in a tandem serve process")
-    parser.add_argument("--proximal-current", action="store_true",
-                        help="every mode also with pi_prox from the train step's own forward pass (no logp stage)")
-    parser.add_argument("overrides", nargs="*", help="dotted.key=value applied to every mode (after --)")
-    args = parser.parse_args()
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
-
+def measure_once(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every mode once on each path asked for: one run's rows, speedups against that run's own sync."""
     rows = run_modes(args, "local")
-    if args.proximal_current:
-        rows += proximal_current_rows(args, rows)
+    if args.proximal_recompute:
+        rows += proximal_recompute_rows(args, rows)
     if args.rollout == "server":
         rows += run_modes(args, "local", "server")
     if args.backend == "ray":
@@ -205,33 +214,58 @@ def main() -> None:
         for r in remote:
             r["ray_overhead_s_per_step"] = r["step_time_s"] - local_step[r["mode"]]
         rows += remote
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--config", default=str(Path(__file__).parent.parent / "configs" / "default.yaml"))
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    parser.add_argument("--backend", default="local", choices=["local", "ray"])
+    parser.add_argument("--rollout", default="embedded", choices=["embedded", "server"],
+                        help="server: every mode also with generation in a tandem serve process")
+    parser.add_argument("--proximal-recompute", action="store_true",
+                        help="every mode also with pi_prox recomputed by the logp stage")
+    parser.add_argument("--repeat", type=int, default=1, help="measure every mode this many times (spread between runs)")
+    parser.add_argument("overrides", nargs="*", help="dotted.key=value applied to every mode (after --)")
+    args = parser.parse_args()
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+
+    rows = []
+    for run in range(args.repeat):
+        rows += [{**r, "run": run} for r in measure_once(args)]
     headline = "server" if args.rollout == "server" else "embedded"
-    by_mode = {r["mode"]: r for r in rows if r["backend"] == args.backend and r["rollout"] == headline}
-    sync = by_mode.get("sync")
+    speedups: dict[str, list[float]] = {}  # mode -> its speedup over sync in each run
+    for r in rows:
+        if r["backend"] == args.backend and r["rollout"] == headline and r["mode"] in MODES and r["speedup_vs_sync"]:
+            speedups.setdefault(r["mode"], []).append(r["speedup_vs_sync"])
 
     table = Table(title=f"End to end: default job, {args.steps} steps per mode, {os.cpu_count()} cores")
-    for col in ("backend", "rollout", "mode", "threads", "samples/s", "tokens/s", "s/step", "vs sync", "ideal",
+    for col in ("run", "backend", "rollout", "mode", "threads", "samples/s", "tokens/s", "s/step", "vs sync", "bound", "ideal",
                 "reward 1st 1/4", "reward at equal samples", "Ray overhead s/step"):
         table.add_column(col, justify="right")
     for r in rows:
         speedup = "—" if r["speedup_vs_sync"] is None else f"{r['speedup_vs_sync']:.2f}x"
+        bound = "—" if r["bound_vs_sync"] is None else f"{r['bound_vs_sync']:.2f}x"
         overhead = f"{r['ray_overhead_s_per_step']:+.3f}" if "ray_overhead_s_per_step" in r else ""
-        table.add_row(r["backend"], r["rollout"], r["mode"], r["threads"], f"{r['samples_per_s']:.1f}",
-                      f"{r['tokens_per_s']:.0f}", f"{r['step_time_s']:.2f}", speedup, f"{r['ideal_speedup']:.2f}x",
+        table.add_row(str(r["run"]), r["backend"], r["rollout"], r["mode"], r["threads"], f"{r['samples_per_s']:.1f}",
+                      f"{r['tokens_per_s']:.0f}", f"{r['step_time_s']:.2f}", speedup, bound, f"{r['ideal_speedup']:.2f}x",
                       f"{r['reward_first_quarter']:.3f}", f"{r['reward_at_equal_samples']:.3f}", overhead)
         for other in r.get("other_sync_schedules", []):
-            table.add_row("", "", "(sync)", other["threads"], f"{other['samples_per_s']:.1f}", "", "", "", "", "",
+            table.add_row("", "", "", "(sync)", other["threads"], f"{other['samples_per_s']:.1f}", "", "", "", "", "", "",
                           f"{other['reward_at_equal_samples']:.3f}", "")
-    Console(width=180).print(table)
+    Console(width=220).print(table)
     results = RESULTS["server" if args.rollout == "server" else args.backend]
     results.parent.mkdir(parents=True, exist_ok=True)
     doc = {
         "rows": rows,
-        "speedup_k1_vs_sync": by_mode["k1"]["speedup_vs_sync"] if sync and "k1" in by_mode else None,
-        "speedup_k2_vs_sync": by_mode["k2"]["speedup_vs_sync"] if sync and "k2" in by_mode else None,
-        "speedup_k4_vs_sync": by_mode["k4"]["speedup_vs_sync"] if sync and "k4" in by_mode else None,
+        # The median over runs; each run's own in the *_runs lists.
+        **{f"speedup_{mode}_vs_sync": statistics.median(speedups[mode]) if mode in speedups else None
+           for mode in ("k1", "k2", "k4")},
+        **{f"speedup_{mode}_vs_sync_runs": speedups.get(mode, []) for mode in ("k1", "k2", "k4")},
         "settings": {"steps": args.steps, "config": args.config, "overrides": args.overrides, "backend": args.backend,
-                     "rollout": args.rollout},
+                     "rollout": args.rollout, "repeat": args.repeat},
         "machine": {"cores": os.cpu_count(), "python": platform.python_version(), "machine": platform.machine(),
                     # Other work on the machine shares its cores: read the numbers with this.
                     "load_average_1m_at_end": os.getloadavg()[0]},

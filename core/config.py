@@ -639,7 +639,10 @@ class AlgorithmConfig(_Model):
             for name, default in (("behaviour_weight_level", "token"), ("behaviour_weight_floor", None),
                                   ("kl_importance_weight", False), ("proximal", "recompute")):
                 if getattr(self, name) != default:
-                    raise ValueError(f"algorithm.{name} applies to decoupled PPO only: set algorithm.decoupled=true")
+                    raise ValueError(
+                        f"algorithm.{name}={getattr(self, name)} applies to decoupled PPO only: set "
+                        f"algorithm.decoupled=true, or algorithm.{name}={default} (its default) for naive PPO"
+                    )
         return self
 
 

@@ -12,7 +12,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import pipeline.metrics
-from core.config import load_config
+from core.config import ConfigError, load_config
 from pipeline import AsyncTrainingFlow
 from pipeline.cli import CONFIGS_DIR
 from tests.conftest import make_config, run_virtual
@@ -42,6 +42,17 @@ def test_the_simulated_configs_differ_only_where_their_names_say() -> None:
     assert not k1.flow.colocate and ["generate", "logp", "train"] in colocated.flow.colocate
     assert k1.engines.generation_latency.type == "lognormal"
     assert sync.engines == k1.engines == colocated.engines
+
+
+def test_the_default_job_takes_pi_prox_from_the_train_step_and_naive_ppo_over_it_says_what_to_reset() -> None:
+    default = load_config(CONFIGS_DIR / "default.yaml")
+    assert default.algorithm.decoupled and default.algorithm.proximal == "current"
+    assert "logp" not in default.flow.stages  # the forward pass `current` makes redundant
+    refusal = r"algorithm\.proximal=current applies to decoupled PPO only.*algorithm\.proximal=recompute"
+    with pytest.raises(ConfigError, match=refusal):
+        load_config(CONFIGS_DIR / "default.yaml", ["algorithm.decoupled=false"])
+    naive = load_config(CONFIGS_DIR / "default.yaml", ["algorithm.decoupled=false", "algorithm.proximal=recompute"])
+    assert not naive.algorithm.decoupled
 
 
 def dashboard_exprs() -> list[str]:
