@@ -23,6 +23,7 @@ its measured phases would give over running them back to back. Prints a table an
 from __future__ import annotations
 
 import _bootstrap  # noqa: F401  (first: imports resolve to the project)
+from _schedules import CORES, best_sync_row
 import argparse
 import asyncio
 import json
@@ -45,11 +46,6 @@ ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "configs" / "agentic_frozenlake.yaml"
 RESULTS = Path(__file__).parent / "results" / "agentic.json"
 MODES = {"sync": 0, "k1": 1, "k2": 2}
-CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-SYNC_BUDGETS = [
-    ("all cores per phase", [f"engines.generation_threads={CORES}", f"engines.train_threads={CORES}"]),
-    ("one core per phase", ["engines.generation_threads=1", "engines.train_threads=1"]),
-]
 
 
 def run_mode(k: int, steps: int, overrides: list[str]) -> tuple[FlowResult, float]:
@@ -123,15 +119,10 @@ def main() -> None:
     rows = []
     for mode in args.modes:
         if mode == "sync":
-            tried = []
-            for label, budget in SYNC_BUDGETS:
-                result, wall = run_mode(0, args.steps, [*args.overrides, *budget])
-                tried.append({**row("sync", result, wall), "threads": label})
-            best = max(tried, key=lambda r: r["episodes_per_s"])
-            best["other_sync_schedules"] = [
-                {k: r[k] for k in ("threads", "episodes_per_s", "success_at_equal_episodes")} for r in tried if r is not best
-            ]
-            rows.append(best)
+            def measure(budget: list[str]) -> dict[str, Any]:
+                return row("sync", *run_mode(0, args.steps, [*args.overrides, *budget]))
+
+            rows.append(best_sync_row(measure, "episodes_per_s", ("episodes_per_s", "success_at_equal_episodes")))
         else:
             result, wall = run_mode(MODES[mode], args.steps, args.overrides)
             rows.append({**row(mode, result, wall), "threads": "split between phases"})

@@ -44,6 +44,7 @@ are the medians, each run's in ``speedup_<mode>_vs_sync_runs``.
 from __future__ import annotations
 
 import _bootstrap  # noqa: F401  (first: imports resolve to the project)
+from _schedules import CORES, SYNC_BUDGETS, best_sync_row
 import argparse
 import asyncio
 import json
@@ -72,13 +73,6 @@ MODES = {"sync": 0, "k1": 1, "k2": 2, "k4": 4}
 # Generation in a server process: one thread there, the trainer one thread here (2 cores).
 SERVER = ["engines.rollout=server", "engines.servers.startup_timeout_s=600"]
 SERVER_ASYNC_THREADS = ["engines.generation_threads=1", "engines.train_threads=1"]
-CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-# The synchronous schedules tried for the baseline: (label, thread overrides). Explicit, since a
-# Ray actor's default budget is its slots (one core), not the k = 0 default of all cores.
-SYNC_BUDGETS = [
-    ("all cores per phase", [f"engines.generation_threads={CORES}", f"engines.train_threads={CORES}"]),
-    ("one core per phase", ["engines.generation_threads=1", "engines.train_threads=1"]),
-]
 
 
 def run_mode(config_path: str, k: int, steps: int, overrides: list[str]) -> tuple[FlowResult, float]:
@@ -142,15 +136,10 @@ def run_modes(args: argparse.Namespace, backend: str, rollout: str = "embedded")
     rows = []
     for mode in args.modes:
         if mode == "sync":
-            tried = []
-            for label, budget in SYNC_BUDGETS:
-                result, wall = run_mode(args.config, 0, args.steps, [*overrides, *budget])
-                tried.append({**row("sync", result, wall), "threads": label})
-            best = max(tried, key=lambda r: r["samples_per_s"])
-            best["other_sync_schedules"] = [
-                {k: r[k] for k in ("threads", "samples_per_s", "reward_at_equal_samples")} for r in tried if r is not best
-            ]
-            rows.append(best)
+            def measure(budget: list[str]) -> dict[str, Any]:
+                return row("sync", *run_mode(args.config, 0, args.steps, [*overrides, *budget]))
+
+            rows.append(best_sync_row(measure, "samples_per_s", ("samples_per_s", "reward_at_equal_samples")))
         else:
             split = SERVER_ASYNC_THREADS if rollout == "server" else []
             result, wall = run_mode(args.config, MODES[mode], args.steps, [*overrides, *split])
