@@ -40,14 +40,23 @@ class SyntheticModel(nn.Module):
         self.register_buffer("position_ids", torch.arange(WIDTH, dtype=torch.int64))
 
 
-def memcpy_gb_per_s(nbytes: int) -> float:
-    """One ``np.copyto`` of ``nbytes`` between two touched buffers, best of 3: the physical
-    limit of one copy on this machine."""
+def memcpy_gb_per_s(nbytes: int, *, piece_nbytes: int | None = None) -> float:
+    """``np.copyto`` of ``nbytes`` between two touched buffers, best of 3 after a warm-up
+    copy: the physical limit of one copy on this machine. ``piece_nbytes`` copies in pieces
+    of that size instead of in one call (glibc picks its copy by size: see the param-sync
+    benchmark)."""
     src = np.ones(nbytes, np.uint8)
-    dst = np.zeros(nbytes, np.uint8)
+    dst = np.ones(nbytes, np.uint8)
+    step = piece_nbytes or nbytes
+
+    def copy() -> None:
+        for at in range(0, nbytes, step):
+            np.copyto(dst[at : at + step], src[at : at + step])
+
+    copy()
     best = float("inf")
     for _ in range(3):
         t0 = time.perf_counter()
-        np.copyto(dst, src)
+        copy()
         best = min(best, time.perf_counter() - t0)
     return nbytes / best / 1e9

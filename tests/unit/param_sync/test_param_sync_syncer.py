@@ -31,6 +31,8 @@ from param_sync import (
     StaleVersionError,
     TransferError,
 )
+from param_sync.bucket import MiB
+from param_sync.syncer import _PartPipeline
 
 TINY_MB = 256 / 2**20  # 256-byte buckets: the small test model spans many of them
 
@@ -331,8 +333,13 @@ class Wide(torch.nn.Module):
         self.big = torch.nn.Parameter(torch.zeros(700_001, dtype=torch.float32))
 
 
-@pytest.mark.parametrize("gather_threads", [1, 3])
-async def test_a_gather_spread_over_threads_checksums_and_delivers_every_byte(gather_threads: int) -> None:
+@pytest.mark.parametrize(("gather_threads", "window_mib"), [(1, 32), (3, 32), (3, 2)])
+async def test_a_gather_spread_over_threads_checksums_and_delivers_every_byte(
+    gather_threads: int, window_mib: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Parts finish out of order on several threads; each bucket's checksum still adds up
+    its parts in stream order, also when the window of unretired parts is full."""
+    monkeypatch.setattr(_PartPipeline, "WINDOW_NBYTES", window_mib * MiB)
     trainer, rollout = Wide(), Wide()
     target = ModuleTarget(rollout, load_mode="swap")
     syncer = ParamSyncer(
