@@ -169,17 +169,28 @@ class _PartPipeline:
         self._pending_nbytes = 0
 
     def submit(self, host: np.ndarray, parts: list[_Part]) -> None:
-        """Copy ``parts`` of ``host`` into the stream; returns once they are under way (copied
-        already without gather threads, or when only one part makes the whole tensor)."""
-        if self._copiers is None:
+        """Copy ``parts`` of ``host`` into the stream; returns once they are under way. Without
+        gather threads, or when one part makes the whole tensor, the copy runs here: handing a
+        small tensor to a thread costs more than copying it (a 1M-parameter model of 38
+        tensors: 1.9 ms here against 3.7 ms through two threads)."""
+        if self._copiers is None or len(parts) == 1:
             for part in parts:
-                self._sums.add_part(part, *_copy_and_sum(self._stream, host, part))
+                result = _copy_and_sum(self._stream, host, part)
+                if not self._pending:  # nothing before it is unretired
+                    self._sums.add_part(part, *result)
+                    continue
+                copied: Future[tuple[int, float]] = Future()
+                copied.set_result(result)
+                self._enqueue(part, copied)
             return
         for part in parts:
-            self._pending.append((part, self._copiers.submit(_copy_and_sum, self._stream, host, part)))
-            self._pending_nbytes += part.hi - part.lo
-            while self._pending and (self._pending_nbytes > self.WINDOW_NBYTES or self._pending[0][1].done()):
-                self._retire()
+            self._enqueue(part, self._copiers.submit(_copy_and_sum, self._stream, host, part))
+
+    def _enqueue(self, part: _Part, future: Future[tuple[int, float]]) -> None:
+        self._pending.append((part, future))
+        self._pending_nbytes += part.hi - part.lo
+        while self._pending and (self._pending_nbytes > self.WINDOW_NBYTES or self._pending[0][1].done()):
+            self._retire()
 
     def drain(self) -> None:
         """Wait for every submitted part and retire it."""
