@@ -426,9 +426,20 @@ class RolloutServersConfig(_Model):
     max_restarts: int = Field(0, ge=0)
     """Times the run restarts a server it started that exited; its requests are retried on the
     others meanwhile and it gets the current weights before any work."""
+    agent: str | None = None
+    """``module:function``: an ``async`` agent written against an OpenAI-compatible endpoint
+    (e.g. with ``openai.AsyncOpenAI``), run once per rollout request against a server's ``/v1``;
+    its calls (exact token ids, log-probs, versions, as the server recorded them) become the
+    trajectory (``engines/server/agent.py``; ``tasks/arithmetic/openai_agent.py`` is one).
+    ``rollout: server`` only: sglang's servers keep no such records. None: tandem samples one
+    completion per request itself."""
 
     @model_validator(mode="after")
     def _consistent(self) -> RolloutServersConfig:
+        if self.agent is not None:
+            module, colon, attribute = self.agent.partition(":")
+            if not colon or not attribute.isidentifier() or not all(p.isidentifier() for p in module.split(".")):
+                raise ValueError(f"engines.servers.agent must be 'module:function', got {self.agent!r}")
         bad = [u for u in self.urls if not u.startswith(("http://", "https://"))]
         if bad:
             raise ValueError(f"engines.servers.urls must be http(s)://host:port, got {bad}")
@@ -911,6 +922,11 @@ class TandemConfig(_Model):
             return
         if self.cluster.backend != "local":
             raise ValueError(f"engines.rollout={engines.rollout} runs its own server processes: needs cluster.backend=local")
+        if engines.rollout == "sglang" and engines.servers.agent is not None:
+            raise ValueError(
+                "engines.servers.agent needs engines.rollout=server: sglang's servers do not record the token ids, "
+                "log-probs and versions of an agent's calls"
+            )
         if engines.rollout == "sglang" and engines.servers.weight_transport == "shm":
             raise ValueError(
                 "engines.servers.weight_transport=shm: sglang servers cannot map tandem's shared memory; use dist or disk"

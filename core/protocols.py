@@ -17,14 +17,16 @@ the event loop while the work runs (a thread, a process or a remote actor), neve
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol, runtime_checkable
 
-from core.records import PromptGroup, Trajectory
+from core.records import PromptGroup, TaskItem, Trajectory
 
 __all__ = [
+    "Agent",
+    "AgentRun",
     "Checkpointable",
     "GenerationRequest",
     "LogProbEngine",
@@ -71,6 +73,28 @@ class RolloutRequest:
     @property
     def prompt_id(self) -> int:
         return self.group.prompt_id
+
+
+@dataclass(slots=True, frozen=True)
+class AgentRun:
+    """What an agent is given: the endpoint (``base_url`` for ``openai.AsyncOpenAI``), the task
+    item, a seed for its own choices, the run's sampling settings (``rollout.max_new_tokens``,
+    ``temperature``, ...: the agent passes them on, or chooses its own), and the tags that file
+    its calls under its conversation."""
+
+    base_url: str
+    conversation_id: str
+    item: TaskItem
+    seed: int
+    evaluation: bool = False
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    extra_body: dict[str, Any] = field(default_factory=dict)
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+Agent = Callable[[AgentRun], Awaitable[object]]
+"""An agent trained through an OpenAI-compatible endpoint (``engines.servers.agent``): an
+``async`` function run once per rollout request; its calls to ``run.base_url`` are the trajectory."""
 
 
 @runtime_checkable

@@ -23,35 +23,33 @@ the router's load.
 from __future__ import annotations
 
 import asyncio
+import importlib
+import inspect
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
-from core.protocols import RolloutRequest
-from core.records import FinishReason, ResumePolicy, TaskItem, Trajectory, token_trajectory
+from core.config import ConfigError
+from core.protocols import Agent, AgentRun, RolloutRequest, SamplingParams
+from core.records import FinishReason, ResumePolicy, Trajectory, token_trajectory
 from engines.server.openai_api import CONVERSATION_HEADER
 from engines.server.router import ServerRolloutEngine
 from engines.server.schemas import ConversationRecord
 
-__all__ = ["AgentRun", "OpenAIAgentWorkflow", "records_to_trajectory"]
+__all__ = ["OpenAIAgentWorkflow", "load_agent", "records_to_trajectory"]
 
 
-@dataclass(slots=True, frozen=True)
-class AgentRun:
-    """What an agent is given: the endpoint (``base_url`` for ``openai.AsyncOpenAI``), the task
-    item, a seed for its own choices, and the tags that file its calls under its conversation."""
-
-    base_url: str
-    conversation_id: str
-    item: TaskItem
-    seed: int
-    evaluation: bool = False
-    extra_body: dict[str, Any] = field(default_factory=dict)
-    headers: dict[str, str] = field(default_factory=dict)
-
-
-Agent = Callable[[AgentRun], Awaitable[object]]
+def load_agent(path: str) -> Agent:
+    """The ``async`` function ``path`` (``module:function``) names; :class:`ConfigError` naming
+    ``engines.servers.agent`` when it cannot be imported or is not an ``async`` function."""
+    module_name, _, attribute = path.partition(":")
+    try:
+        agent = getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError) as err:
+        raise ConfigError(f"engines.servers.agent: cannot import {path!r}: {err}") from None
+    if not inspect.iscoroutinefunction(agent):
+        raise ConfigError(f"engines.servers.agent: {path!r} is not an async function taking an AgentRun")
+    return agent
 
 
 def records_to_trajectory(prompt_id: int, index: int, records: Sequence[ConversationRecord],
@@ -87,10 +85,12 @@ def records_to_trajectory(prompt_id: int, index: int, records: Sequence[Conversa
 class OpenAIAgentWorkflow:
     """Implements :class:`core.protocols.RolloutWorkflow` by running ``agent`` against the router's servers."""
 
-    def __init__(self, router: ServerRolloutEngine, agent: Agent, *, decode: Callable[[list[int]], str]) -> None:
+    def __init__(self, router: ServerRolloutEngine, agent: Agent, *, decode: Callable[[list[int]], str],
+                 sampling: SamplingParams | None = None) -> None:
         self.router = router
         self.agent = agent
         self._decode = decode
+        self._sampling = sampling or SamplingParams()
 
     def rollout(self, requests: Sequence[RolloutRequest]) -> AsyncIterator[Trajectory]:
         return self._rollout(list(requests))
@@ -120,7 +120,7 @@ class OpenAIAgentWorkflow:
         conversation = f"{request.prompt_id}-{request.index}-{uuid.uuid4().hex[:12]}"
         run = AgentRun(
             base_url=endpoint.url + "/v1", conversation_id=conversation, item=request.group.item, seed=request.seed,
-            evaluation=request.evaluation, extra_body={"conversation_id": conversation},
+            evaluation=request.evaluation, sampling=self._sampling, extra_body={"conversation_id": conversation},
             headers={CONVERSATION_HEADER: conversation},
         )
         try:

@@ -21,6 +21,8 @@ from pathlib import Path
 
 from core.components import Components, TaskSetup
 from core.config import TandemConfig, TorchEnginesConfig
+from core.protocols import RolloutWorkflow
+from engines.server.agent import OpenAIAgentWorkflow, load_agent
 from engines.server.launcher import ServerFleet, ServerSpec, sglang_command, tandem_command
 from engines.server.router import ServerRolloutEngine
 from engines.server.weights import DiskTransport, HttpDistTransport, HttpShmTransport, ServerWeightSync, free_port
@@ -75,6 +77,11 @@ def build_server_components(config: TandemConfig, setup: TaskSetup) -> Component
     model_path = str(resolve_model_path(spec.model_path))
     tokenizer = load_tokenizer(model_path)
     max_prompt_tokens = prompt_budget(config, tokenizer)  # before anything starts: bad input fails fast
+    agent = load_agent(servers.agent) if servers.agent is not None else None
+
+    def decode(ids: list[int]) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=True)
+
     gen_threads, train_threads = thread_budgets(config)
     scratch = Path(tempfile.mkdtemp(prefix="tandem-servers-"))
     fleet: ServerFleet | None = None
@@ -84,7 +91,7 @@ def build_server_components(config: TandemConfig, setup: TaskSetup) -> Component
             fleet.launch()
         router = ServerRolloutEngine(
             servers.urls or fleet.urls,  # type: ignore[union-attr]
-            decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+            decode=decode,
             live_updates=spec.rollout == "server", request_timeout_s=servers.request_timeout_s,
             health_interval_s=servers.health_interval_s, wait_for_server_s=servers.startup_timeout_s,
             ready=fleet.ready if fleet is not None else None,
@@ -116,6 +123,12 @@ def build_server_components(config: TandemConfig, setup: TaskSetup) -> Component
         shutil.rmtree(scratch, ignore_errors=True)
         raise
 
+    workflow: RolloutWorkflow
+    if agent is not None:  # imported above: a bad path fails before any server starts
+        workflow = OpenAIAgentWorkflow(router, agent, decode=decode, sampling=sampling_params(config))
+    else:
+        workflow = SingleTurnWorkflow(router, sampling_params(config))
+
     async def checkpoint(folder: Path) -> None:
         await asyncio.to_thread(save_checkpoint, engine, tokenizer, folder)
 
@@ -125,7 +138,7 @@ def build_server_components(config: TandemConfig, setup: TaskSetup) -> Component
     return Components(
         prompts=tokenized(setup.items, tokenizer),
         held_out=tokenized_held_out(setup.task, tokenizer),
-        workflow=SingleTurnWorkflow(router, sampling_params(config)),
+        workflow=workflow,
         trainer=engine,
         reward=setup.reward,
         weight_sync=weight_sync,

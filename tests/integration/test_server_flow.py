@@ -14,9 +14,11 @@ from typing import Any
 
 import pytest
 
-from core.config import TandemConfig, validate_config
+from core.config import ConfigError, TandemConfig, load_config, validate_config
+from engines.server.agent import OpenAIAgentWorkflow
 from pipeline import AsyncTrainingFlow
 from pipeline.builders import build_components
+from pipeline.cli import CONFIGS_DIR
 from tasks.arithmetic import MAX_RESPONSE_TOKENS, MODEL_DIR
 from tests.conftest import merge
 
@@ -95,27 +97,33 @@ def test_a_server_killed_mid_run_is_replaced_and_every_prompt_is_trained_once(tm
     assert all(gone(pid) for pid in [*killed, *fleet.pids])
 
 
-def test_an_openai_client_agent_trains_end_to_end(tmp_path: Path) -> None:
-    """The agent sees only an OpenAI endpoint; the workflow turns its calls into trajectories."""
-    openai = pytest.importorskip("openai")
-    from engines.server.agent import AgentRun, OpenAIAgentWorkflow
-
-    async def agent(run: AgentRun) -> None:
-        api = openai.AsyncOpenAI(base_url=run.base_url, api_key="unused", max_retries=0)
-        await api.completions.create(model="tandem", prompt=run.item.prompt, max_tokens=MAX_RESPONSE_TOKENS,
-                                     temperature=1.0, seed=run.seed, extra_body=run.extra_body)
-
-    config = server_config(tmp_path, run={"max_steps": 4})
+def test_an_openai_client_agent_named_in_the_config_trains_end_to_end(tmp_path: Path) -> None:
+    """The agent sees only an OpenAI endpoint (the shipped one calls it with the ``openai``
+    client); the workflow turns its calls into trajectories."""
+    pytest.importorskip("openai")
+    config = load_config(CONFIGS_DIR / "arithmetic_openai_agent.yaml", [  # the shipped config, made small
+        f"run.output_dir={tmp_path}", "run.max_steps=4", "train.prompts_per_step=4", "rollout.samples_per_prompt=4",
+        "engines.generation_threads=1", "engines.train_threads=1", "engines.lr=1e-3",
+        "engines.servers.startup_timeout_s=240", "validation.every_versions=null",
+        "observability.write_run_dir=false", "observability.trace=false", "observability.metrics_port=null",
+    ])
     components = build_components(config)
-    router = components.workflow.engine  # type: ignore[attr-defined]
-    tokenizer_decode = router._decode
-    components.workflow = OpenAIAgentWorkflow(router, agent, decode=tokenizer_decode)
+    assert isinstance(components.workflow, OpenAIAgentWorkflow)
     try:
         result = asyncio.run(AsyncTrainingFlow(config, components=components).run())
     finally:
         components.close()
     check_run(result, config)
     assert result.syncs and result.syncs[-1].version >= 3  # the trained weights reached the agent's server
+    trained = [s.tokens for s in result.steps]
+    assert all(t > 0 for t in trained)  # the recorded calls' tokens were trained
+
+
+def test_an_agent_that_cannot_be_loaded_is_refused_before_any_server_starts(tmp_path: Path) -> None:
+    config = server_config(tmp_path, engines={"servers": {"agent": "tasks.arithmetic.openai_agent:no_such_agent"}})
+    with pytest.raises(ConfigError, match=r"engines.servers.agent: cannot import .*no_such_agent"):
+        build_components(config)
+    assert not list((tmp_path).rglob("server0.log"))  # no server was started
 
 
 @pytest.mark.gpu

@@ -41,6 +41,8 @@ def test_embedded_is_the_default_and_servers_default_to_one_on_loopback() -> Non
         ({"rollout": "server", "servers": {"weight_transport": "tcp"}}, "weight_transport"),
         ({"rollout": "vllm"}, "rollout"),
         ({"rollout": "server", "servers": {"request_timeout_s": 0}}, "request_timeout_s"),
+        ({"rollout": "server", "servers": {"agent": "tasks.arithmetic.openai_agent"}}, "engines.servers.agent must be"),
+        ({"rollout": "sglang", "servers": {"weight_transport": "dist", "agent": "a:b"}}, "engines.servers.agent needs"),
     ],
 )
 def test_invalid_server_settings_fail_naming_the_field(engines: dict[str, Any], named: str) -> None:
@@ -57,3 +59,15 @@ def test_restarts_with_sync_retries_are_accepted() -> None:
     c = validate_config(merge(BASE, {"engines": {"rollout": "server", "servers": {"count": 2, "max_restarts": 1}},
                                      "roles": {"param_update": {"max_retries": 2}}}))
     assert c.engines.servers.max_restarts == 1
+
+
+def test_an_agent_is_loaded_by_path_and_must_be_an_async_function() -> None:
+    from engines.server.agent import load_agent
+
+    pytest.importorskip("openai")
+    agent = load_agent("tasks.arithmetic.openai_agent:solve")
+    assert agent.__name__ == "solve"
+    with pytest.raises(ConfigError, match="engines.servers.agent: 'tasks.arithmetic:make_task' is not an async function"):
+        load_agent("tasks.arithmetic:make_task")
+    with pytest.raises(ConfigError, match="engines.servers.agent: cannot import 'no_such_module:solve'"):
+        load_agent("no_such_module:solve")

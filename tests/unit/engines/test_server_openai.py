@@ -11,9 +11,9 @@ from tiny_lm import decode, encode
 
 openai = pytest.importorskip("openai")
 
-from core.protocols import RolloutRequest
+from core.protocols import AgentRun, RolloutRequest
 from core.records import PromptGroup, TaskItem
-from engines.server.agent import AgentRun, OpenAIAgentWorkflow, records_to_trajectory
+from engines.server.agent import OpenAIAgentWorkflow, records_to_trajectory
 from engines.server.client import ServerClient
 from engines.server.router import ServerRolloutEngine, running
 from engines.torch_train import TorchLogProbEngine
