@@ -19,6 +19,11 @@ and with generation in a ``tandem serve`` process (one thread there, the trainer
 here: the two no longer share an interpreter), and writes ``benchmarks/results/e2e_server.json``
 (the in-process rows beside the server rows; the headline speedups are the server's).
 
+``--rollout agent`` adds a third row per mode: generation in a server, each rollout made by the
+shipped agent (``tasks/arithmetic/openai_agent.py``) through the server's OpenAI endpoint with
+the ``openai`` client, and writes ``benchmarks/results/e2e_server_agent.json`` (headline: the
+agent's rows): what an agent's HTTP round trips cost against the native server rows.
+
 ``--backend ray`` runs every mode twice, in process and with the engines as Ray actors on a
 local cluster of this machine's cores (default placement: training on one half of the slots,
 generation on the other), adds the per-step overhead of Ray over the in-process run of the
@@ -34,7 +39,7 @@ never waited (samples / max(generation busy, training busy)) over sync's. The as
 give each phase one core where sync gives each all of them, so this, not ``ideal_speedup``
 (which uses the async run's own one-core times for both sides), is their ceiling over sync.
 
-    python benchmarks/e2e.py [--steps 60] [--repeat 3] [--backend local|ray] [--rollout embedded|server]
+    python benchmarks/e2e.py [--steps 60] [--repeat 3] [--backend local|ray] [--rollout embedded|server|agent]
         [--proximal-recompute] [--config ...] [key=value ...]
 
 ``--repeat N`` measures every mode N times, each run against its own sync; the headline speedups
@@ -68,11 +73,14 @@ RESULTS = {
     "local": Path(__file__).parent / "results" / "e2e.json",
     "ray": Path(__file__).parent / "results" / "e2e_ray.json",
     "server": Path(__file__).parent / "results" / "e2e_server.json",
+    "agent": Path(__file__).parent / "results" / "e2e_server_agent.json",
 }
 MODES = {"sync": 0, "k1": 1, "k2": 2, "k4": 4}
 # Generation in a server process: one thread there, the trainer one thread here (2 cores).
 SERVER = ["engines.rollout=server", "engines.servers.startup_timeout_s=600"]
 SERVER_ASYNC_THREADS = ["engines.generation_threads=1", "engines.train_threads=1"]
+# The shipped agent that sees only the server's OpenAI endpoint (the same single completion).
+AGENT = ["engines.servers.agent=tasks.arithmetic.openai_agent:solve"]
 
 
 def run_mode(config_path: str, k: int, steps: int, overrides: list[str]) -> tuple[FlowResult, float]:
@@ -132,7 +140,9 @@ def row(mode: str, result: FlowResult, wall_s: float) -> dict[str, Any]:
 
 def run_modes(args: argparse.Namespace, backend: str, rollout: str = "embedded") -> list[dict[str, Any]]:
     """One row per mode on ``backend`` with generation ``rollout``; ``sync`` is the faster of its thread budgets."""
-    overrides = [*args.overrides, f"cluster.backend={backend}", *(SERVER if rollout == "server" else [])]
+    served = rollout in ("server", "agent")
+    overrides = [*args.overrides, f"cluster.backend={backend}", *(SERVER if served else []),
+                 *(AGENT if rollout == "agent" else [])]
     rows = []
     for mode in args.modes:
         if mode == "sync":
@@ -141,7 +151,7 @@ def run_modes(args: argparse.Namespace, backend: str, rollout: str = "embedded")
 
             rows.append(best_sync_row(measure, "samples_per_s", ("samples_per_s", "reward_at_equal_samples")))
         else:
-            split = SERVER_ASYNC_THREADS if rollout == "server" else []
+            split = SERVER_ASYNC_THREADS if served else []
             result, wall = run_mode(args.config, MODES[mode], args.steps, [*overrides, *split])
             rows.append({**row(mode, result, wall), "threads": "split between phases"})
     sync = next((r for r in rows if r["mode"] == "sync"), None)
@@ -188,8 +198,10 @@ def measure_once(args: argparse.Namespace) -> list[dict[str, Any]]:
     rows = run_modes(args, "local")
     if args.proximal_recompute:
         rows += proximal_recompute_rows(args, rows)
-    if args.rollout == "server":
+    if args.rollout in ("server", "agent"):
         rows += run_modes(args, "local", "server")
+    if args.rollout == "agent":
+        rows += run_modes(args, "local", "agent")
     if args.backend == "ray":
         import ray
 
@@ -212,8 +224,9 @@ def main() -> None:
     parser.add_argument("--config", default=str(Path(__file__).parent.parent / "configs" / "default.yaml"))
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     parser.add_argument("--backend", default="local", choices=["local", "ray"])
-    parser.add_argument("--rollout", default="embedded", choices=["embedded", "server"],
-                        help="server: every mode also with generation in a tandem serve process")
+    parser.add_argument("--rollout", default="embedded", choices=["embedded", "server", "agent"],
+                        help="server: every mode also with generation in a tandem serve process; "
+                             "agent: and again with the rollouts made by the shipped OpenAI-client agent")
     parser.add_argument("--proximal-recompute", action="store_true",
                         help="every mode also with pi_prox recomputed by the logp stage")
     parser.add_argument("--repeat", type=int, default=1, help="measure every mode this many times (spread between runs)")
@@ -224,7 +237,7 @@ def main() -> None:
     rows = []
     for run in range(args.repeat):
         rows += [{**r, "run": run} for r in measure_once(args)]
-    headline = "server" if args.rollout == "server" else "embedded"
+    headline = args.rollout
     speedups: dict[str, list[float]] = {}  # mode -> its speedup over sync in each run
     for r in rows:
         if r["backend"] == args.backend and r["rollout"] == headline and r["mode"] in MODES and r["speedup_vs_sync"]:
@@ -245,7 +258,7 @@ def main() -> None:
             table.add_row("", "", "", "(sync)", other["threads"], f"{other['samples_per_s']:.1f}", "", "", "", "", "", "",
                           f"{other['reward_at_equal_samples']:.3f}", "")
     Console(width=220).print(table)
-    results = RESULTS["server" if args.rollout == "server" else args.backend]
+    results = RESULTS[args.backend if args.rollout == "embedded" else args.rollout]
     results.parent.mkdir(parents=True, exist_ok=True)
     doc = {
         "rows": rows,

@@ -83,11 +83,13 @@ def records_to_trajectory(prompt_id: int, index: int, records: Sequence[Conversa
 
 
 class OpenAIAgentWorkflow:
-    """Implements :class:`core.protocols.RolloutWorkflow` by running ``agent`` against the router's servers."""
+    """Implements :class:`core.protocols.RolloutWorkflow` by running ``agent`` against the servers of
+    ``engine`` (the router; named as the text workflow names its engine, so code that starts a
+    bundle's router finds it the same way)."""
 
-    def __init__(self, router: ServerRolloutEngine, agent: Agent, *, decode: Callable[[list[int]], str],
+    def __init__(self, engine: ServerRolloutEngine, agent: Agent, *, decode: Callable[[list[int]], str],
                  sampling: SamplingParams | None = None) -> None:
-        self.router = router
+        self.engine = engine
         self.agent = agent
         self._decode = decode
         self._sampling = sampling or SamplingParams()
@@ -96,14 +98,14 @@ class OpenAIAgentWorkflow:
         return self._rollout(list(requests))
 
     async def _rollout(self, requests: list[RolloutRequest]) -> AsyncIterator[Trajectory]:
-        await self.router.start()
+        await self.engine.start()
         groups: dict[int, list[RolloutRequest]] = {}
         for request in requests:
             groups.setdefault(request.prompt_id, []).append(request)
         tasks: set[asyncio.Task[Trajectory]] = set()
         try:
             for group in groups.values():
-                endpoint = await self.router.pick()
+                endpoint = await self.engine.pick()
                 endpoint.outstanding += len(group)
                 tasks.update(asyncio.ensure_future(self._episode(r, endpoint)) for r in group)
             while tasks:
