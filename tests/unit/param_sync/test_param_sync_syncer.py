@@ -5,6 +5,7 @@ versions in one decode step."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import numpy as np
 import pytest
@@ -19,6 +20,7 @@ from param_sync_models import (
     raw_state,
 )
 
+import param_sync.syncer as syncer_module
 from core.protocols import WeightSync
 from param_sync import (
     GatherError,
@@ -350,4 +352,41 @@ async def test_a_gather_spread_over_threads_checksums_and_delivers_every_byte(
         metrics = await syncer.sync(version)  # a part summed wrongly fails its bucket's check
         assert metrics["buckets"] == 4
         assert raw_state(rollout) == raw_state(trainer)
+    await syncer.aclose()
+
+
+async def test_a_gather_killed_while_parts_are_still_copying_waits_for_them_and_leaves_the_old_weights(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The source dies after a many-part tensor was handed to the copy threads: the sync fails
+    only once those copies have ended (none writes the half afterwards), the rollout keeps
+    serving the old weights, and the next sync delivers every byte."""
+    copies = {"started": 0, "ended": 0}
+    copy_and_sum = syncer_module._copy_and_sum
+
+    def slow_copy(stream: np.ndarray, host: np.ndarray, part: object) -> tuple[int, float]:
+        copies["started"] += 1
+        time.sleep(0.05)  # still copying when the source dies
+        try:
+            return copy_and_sum(stream, host, part)
+        finally:
+            copies["ended"] += 1
+
+    monkeypatch.setattr(syncer_module, "_copy_and_sum", slow_copy)
+    trainer, rollout = Wide(), Wide()
+    target = ModuleTarget(rollout, load_mode="swap")
+    source = FlakySource(trainer)
+    syncer = ParamSyncer(source, InProcessTransport([Receiver(target)]), produce_bucket_mb=1.5, gather_threads=3)
+    fill_random(trainer, 1)
+    await syncer.sync(1)
+    served = raw_state(rollout)
+    fill_random(trainer, 2)
+    source.arm(after=1)  # dies right after "odd" (3 MiB and 6 bytes: three parts in the copy threads)
+    copies.update(started=0, ended=0)
+    with pytest.raises(GatherError, match="trainer died"):
+        await syncer.sync(2)
+    assert copies["started"] == 3 and copies["ended"] == 3  # every copy under way had ended
+    assert raw_state(rollout) == served and target.loaded_version == 1
+    await syncer.sync(2)
+    assert raw_state(rollout) == raw_state(trainer) and target.loaded_version == 2
     await syncer.aclose()
