@@ -371,6 +371,22 @@ def measure_beside_memcpy(
     }
 
 
+def add_best_memcpy_fractions(rows: list[dict[str, object]]) -> None:
+    """Each run of each row also against the best memcpy of its size in this whole invocation
+    (``fraction_of_best_memcpy_runs``): a disturbed reference can only raise a ratio, the best
+    one only lower it, so the target is judged on this one. Seen here: both references around
+    one run read 3.6 GB/s, a fifth of the usual, and put that run at 173 % of "memcpy"."""
+    best: dict[object, float] = {}
+    for r in rows:
+        best[r["size_mb"]] = max(best.get(r["size_mb"], 0.0), *r["memcpy_gb_per_s_runs"])  # type: ignore[arg-type]
+    for r in rows:
+        reference = best[r["size_mb"]]
+        r["best_memcpy_gb_per_s"] = reference
+        r["fraction_of_best_memcpy_runs"] = [
+            f * m / reference for f, m in zip(r["fraction_of_memcpy_runs"], r["memcpy_gb_per_s_runs"], strict=True)  # type: ignore[call-overload]
+        ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="16 and 64 MiB instead of 100 MiB and 1 GiB")
@@ -429,15 +445,16 @@ def main() -> None:
         )
 
     transport_rows = [r for r in rows if "transport" in r]
+    add_best_memcpy_fractions(transport_rows)
     mode_rows = [r for r in rows if "load_mode" in r]
     shm_ok = all(
-        min(r["fraction_of_memcpy_runs"]) >= SHM_TARGET
+        min(r["fraction_of_best_memcpy_runs"]) >= SHM_TARGET
         for r in transport_rows if r["transport"] in SHARED_MEMORY and r["rollout"] == "maps"
     )
     swap_ok = all(r["stall_decode_steps"] <= SWAP_TARGET for r in mode_rows if r["load_mode"] == "swap")
 
     table = Table(title="param sync: end-to-end bandwidth (swap mode, median of reps)")
-    for col in ("transport", "rollout", "MiB", "GB/s", "memcpy GB/s", "in pieces", "% memcpy", "spread %",
+    for col in ("transport", "rollout", "MiB", "GB/s", "memcpy GB/s", "in pieces", "% memcpy", "spread %", "vs best memcpy %",
                 "gather s", "checksum s", "send s", "verify s", "load s", "total s"):  # fmt: skip
         table.add_column(col, justify="right")
     for r in transport_rows:
@@ -446,6 +463,7 @@ def main() -> None:
             f"{r['memcpy_in_pieces_gb_per_s']:.2f}",
             f"{100 * r['fraction_of_memcpy']:.0f}%",
             "-".join(f"{100 * f:.0f}" for f in (min(r["fraction_of_memcpy_runs"]), max(r["fraction_of_memcpy_runs"]))),
+            "-".join(f"{100 * f:.0f}" for f in (min(r["fraction_of_best_memcpy_runs"]), max(r["fraction_of_best_memcpy_runs"]))),
             *(f"{r[k]:.3f}" for k in ("gather_s", "checksum_s", "send_s", "verify_s", "load_s", "total_s")),
         )  # fmt: skip
     console.print(table)
