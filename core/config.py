@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import importlib
 import math
 import typing
 from pathlib import Path
@@ -38,6 +39,7 @@ __all__ = [
     "TorchEnginesConfig",
     "ValidationConfig",
     "apply_overrides",
+    "import_named",
     "load_config",
     "validate_config",
 ]
@@ -52,6 +54,16 @@ DEFAULT_STAGES = ["dataloader", "generate", "rollout", "logp", "ref_logp", "rewa
 
 class ConfigError(ValueError):
     """An invalid config file or override; the message names the field and what is allowed."""
+
+
+def import_named(path: str, field: str) -> Any:
+    """The object ``path`` (``module:attribute``, the form every plugin field takes) names;
+    :class:`ConfigError` naming ``field`` when the module or the attribute cannot be imported."""
+    module_name, _, attribute = path.partition(":")
+    try:
+        return getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError) as err:
+        raise ConfigError(f"{field}: cannot import {path!r}: {err}") from None
 
 
 class _Model(BaseModel):

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from core.config import ConfigError
+from core.config import ConfigError, import_named
 from core.task import Task
 
 __all__ = ["available_tasks", "load_task"]
@@ -32,11 +32,7 @@ def load_task(name: str, options: Mapping[str, Any] | None = None) -> Task:
     it cannot be found or is not a task."""
     options = dict(options or {})
     if ":" in name:
-        module_name, _, attr = name.partition(":")
-        try:
-            target = getattr(importlib.import_module(module_name), attr)
-        except (ImportError, AttributeError) as err:
-            raise ConfigError(f"task.name: cannot import {name!r}: {err}") from None
+        target = import_named(name, "task.name")
     else:
         if name not in available_tasks():
             raise ConfigError(f"task.name: no task {name!r}; built-in: {available_tasks()} (or give module:object)")

@@ -10,10 +10,9 @@ completion per request: the text path). Anything else must be ``module:attribute
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 
-from core.config import ConfigError
+from core.config import ConfigError, import_named
 from core.protocols import RolloutWorkflow
 from engines.agentic.workflow import WorkflowContext
 from engines.text_workflow import SingleTurnWorkflow
@@ -40,11 +39,7 @@ def load_workflow(name: str, context: WorkflowContext) -> RolloutWorkflow:
         raise ConfigError(
             f"agentic.workflow: no built-in workflow {name!r}; built-in: {sorted(WORKFLOWS)} (or give module:Class)"
         )
-    module_name, _, attribute = target.partition(":")
-    try:
-        factory: Callable[[WorkflowContext], object] = getattr(importlib.import_module(module_name), attribute)
-    except (ImportError, AttributeError) as err:
-        raise ConfigError(f"agentic.workflow: cannot import {name!r}: {err}") from None
+    factory: Callable[[WorkflowContext], object] = import_named(target, "agentic.workflow")
     if not callable(factory):
         raise ConfigError(f"agentic.workflow: {name!r} is not a class or a function")
     try:

@@ -23,13 +23,12 @@ the router's load.
 from __future__ import annotations
 
 import asyncio
-import importlib
 import inspect
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
-from core.config import ConfigError
+from core.config import ConfigError, import_named
 from core.protocols import Agent, AgentRun, RolloutRequest, SamplingParams
 from core.records import FinishReason, ResumePolicy, Trajectory, token_trajectory
 from engines.server.openai_api import CONVERSATION_HEADER
@@ -42,11 +41,7 @@ __all__ = ["OpenAIAgentWorkflow", "load_agent", "records_to_trajectory"]
 def load_agent(path: str) -> Agent:
     """The ``async`` function ``path`` (``module:function``) names; :class:`ConfigError` naming
     ``engines.servers.agent`` when it cannot be imported or is not an ``async`` function."""
-    module_name, _, attribute = path.partition(":")
-    try:
-        agent = getattr(importlib.import_module(module_name), attribute)
-    except (ImportError, AttributeError) as err:
-        raise ConfigError(f"engines.servers.agent: cannot import {path!r}: {err}") from None
+    agent = import_named(path, "engines.servers.agent")
     if not inspect.iscoroutinefunction(agent):
         raise ConfigError(f"engines.servers.agent: {path!r} is not an async function taking an AgentRun")
     return agent
