@@ -37,8 +37,11 @@ class SyncSource(Protocol):
 
     def named_tensors_for_sync(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield every weight as a full (unsharded) tensor, one at a time, in the same order on
-        every call; the caller copies each before asking for the next, so a sharded engine may
-        gather one tensor, yield it, and free it. Yield a tied weight once."""
+        every call; yield a tied weight once. The caller may still be copying a tensor after
+        asking for the next (it holds a reference, so a sharded engine may gather one tensor,
+        yield it and drop it, but must not reuse its storage within the walk), and finishes
+        every copy before the walk ends, so a source may hold its weights still (a lock) from
+        the first tensor until it returns or is closed."""
         ...
 
 

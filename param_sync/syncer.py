@@ -31,7 +31,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import TypeVar
@@ -209,6 +209,13 @@ class _PartPipeline:
         self._sums.add_part(part, *future.result())
 
 
+def _close_walk(walk: Iterator[tuple[str, torch.Tensor]]) -> None:
+    """End a source's walk early or late alike (a generator releases what it holds)."""
+    close = getattr(walk, "close", None)
+    if close is not None:
+        close()
+
+
 class ParamSyncer:
     """Moves the source's weights into every receiver of ``transport``, version by version.
 
@@ -358,8 +365,11 @@ class ParamSyncer:
         parts = _PartPipeline(self._copiers, stream, sums)
         metas = manifest.tensors
         count = 0
+        # Held here, not by the loop: a source may guard its weights until its walk ends (the
+        # trainer's weights lock), so the walk is closed only once no copy from it is running.
+        walk = self.source.named_tensors_for_sync()
         try:
-            for count, (name, tensor) in enumerate(self.source.named_tensors_for_sync(), 1):
+            for count, (name, tensor) in enumerate(walk, 1):
                 name = self._name_map.get(name, name)
                 if count > len(metas) or not metas[count - 1].matches(name, tensor):
                     raise LayoutError(f"the trainer's weights changed layout at {name!r} (tensor {count})")
@@ -367,6 +377,8 @@ class ParamSyncer:
                 data = tensor_bytes(tensor)
                 if data.device.type == "cpu":
                     parts.submit(data.numpy(), _host_parts(manifest, meta.offset, meta.nbytes))
+                    if count == len(metas):  # asking for more may end the walk and free the weights
+                        parts.drain()
                     continue
                 # A device tensor goes in whole buckets, as each copy from the device has a
                 # fixed cost of its own; it is checksummed from the buffer afterwards, so every
@@ -388,6 +400,7 @@ class ParamSyncer:
             feed.fail(exc)
             raise
         finally:
+            _close_walk(walk)
             checksum_s = sums.spent_s
             # No view of the buffer may outlive the gather (shared memory must unmap).
             del stream, out, sums, parts

@@ -22,6 +22,7 @@ import torch
 from test_torch_train import pg_loss
 from tiny_lm import encode, save_tiny_model
 
+import param_sync.syncer as syncer_module
 from core.protocols import GenerationRequest, SamplingParams, WeightSync
 from core.records import FinishReason, ResumePolicy, Trajectory, token_trajectory
 from engines.hf_rollout import HFRolloutEngine
@@ -207,10 +208,21 @@ class ContendedLock:
 
 
 @pytest.mark.parametrize("guarded", [True, False])
-async def test_a_sync_racing_an_optimizer_step_copies_one_whole_version(make_engines: Any, guarded: bool) -> None:
+async def test_a_sync_racing_an_optimizer_step_copies_one_whole_version(
+    make_engines: Any, guarded: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     armed = threading.Event()
     first_copied = threading.Event()
     resume = threading.Event()  # set once the step is blocked by the gather, or has finished
+    copy_and_sum = syncer_module._copy_and_sum
+
+    def slow_copy_and_sum(*args: Any) -> tuple[int, float]:
+        """The gather's copier threads slower than the step: parts still copying as the walk ends."""
+        if armed.is_set() and threading.current_thread().name.startswith("param-gather"):
+            time.sleep(0.02)
+        return copy_and_sum(*args)
+
+    monkeypatch.setattr(syncer_module, "_copy_and_sum", slow_copy_and_sum)
 
     class PausingSource(TrainerSyncSource):
         """Once armed, stops after the first tensor until the racing step had its chance."""
