@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,21 @@ from tests.conftest import make_config, run_virtual
 
 REPO = Path(__file__).resolve().parents[3]
 QUIET = ["observability.write_run_dir=false", "observability.log_level=warning", "--no-progress"]
+
+
+@contextmanager
+def ctrl_c_reaches_children() -> Iterator[None]:
+    """Children started inside start as a terminal's foreground job would, with Ctrl-C live.
+
+    An ignored SIGINT is inherited across exec, and Python then never turns it into
+    ``KeyboardInterrupt``: a test run started in the background of a non-interactive shell
+    (which ignores SIGINT there) would otherwise see the CLI shrug off the test's Ctrl-C.
+    """
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 @pytest.fixture(autouse=True)
@@ -100,11 +116,12 @@ def test_a_failing_stage_exits_1_naming_the_stage(capsys: pytest.CaptureFixture[
 
 
 def test_ctrl_c_stops_cleanly_with_exit_code_130() -> None:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pipeline.cli", "run", "sim_sync", "run.max_steps=1000", "observability.write_run_dir=false",
-         "--no-progress"],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )
+    with ctrl_c_reaches_children():
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "pipeline.cli", "run", "sim_sync", "run.max_steps=1000", "observability.write_run_dir=false",
+             "--no-progress"],
+            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
     assert proc.stderr is not None
     try:
         # Interrupt only once the flow is running (its first log line), not during imports.
@@ -143,10 +160,11 @@ def test_the_summary_names_drops_per_stage_degradations_and_held_out_accuracy() 
 
 def test_ctrl_c_checkpoints_the_run_and_resume_continues_it(tmp_path: Path) -> None:
     run = [f"run.output_dir={tmp_path}", "run.name=stopped", "observability.metrics_port=null"]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pipeline.cli", "run", "sim_k1", "run.max_steps=100000", *run, "--no-progress"],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )
+    with ctrl_c_reaches_children():
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "pipeline.cli", "run", "sim_k1", "run.max_steps=100000", *run, "--no-progress"],
+            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
     assert proc.stderr is not None
     try:
         while "flow started" not in (line := proc.stderr.readline()):
