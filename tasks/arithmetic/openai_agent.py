@@ -14,8 +14,7 @@ package (``pip install -e .[agents]``).
 
 from __future__ import annotations
 
-import asyncio
-import weakref
+import ssl
 
 import openai
 
@@ -23,26 +22,22 @@ from core.protocols import AgentRun
 
 __all__ = ["solve"]
 
-# One client per event loop and server. Building a client creates a TLS context (it loads the
-# system's certificates): built per episode, that took 44 % of the trainer process's time and
-# halved throughput (23 against 55 samples/s on the default job). A client belongs to the loop
-# it first ran on, and goes with it.
-_clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, openai.AsyncOpenAI]] = weakref.WeakKeyDictionary()
-
-
-def client_for(base_url: str) -> openai.AsyncOpenAI:
-    """This loop's client for the server at ``base_url``, made on first use."""
-    clients = _clients.setdefault(asyncio.get_running_loop(), {})
-    if base_url not in clients:
-        clients[base_url] = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0)
-    return clients[base_url]
+# Every client builds its HTTP client, and an httpx client loads the system's certificates into
+# a new TLS context (26 ms here): built per episode, that took 44 % of the trainer process's time
+# and halved throughput (23 against 55 samples/s on the default job). One context made here and
+# given to every episode's client leaves 0.2 ms per client; a client per episode is then as fast
+# as one kept per event loop (43.4 / 43.3 against 41.9 / 44.5 samples/s, 12 steps, k = 1), and
+# closes with its episode, where a kept client held its event loop and connection alive.
+_TLS = ssl.create_default_context()
 
 
 async def solve(run: AgentRun) -> None:
     """One completion of the problem's prompt with the run's sampling settings; the reward
     scores the recorded answer, so the agent returns nothing."""
     sampling = run.sampling
-    await client_for(run.base_url).completions.create(
-        model="tandem", prompt=run.item.prompt, max_tokens=sampling.max_new_tokens,
-        temperature=sampling.temperature, top_p=sampling.top_p, seed=run.seed, extra_body=run.extra_body,
-    )
+    http_client = openai.DefaultAsyncHttpxClient(verify=_TLS)
+    async with openai.AsyncOpenAI(base_url=run.base_url, api_key="unused", max_retries=0, http_client=http_client) as client:
+        await client.completions.create(
+            model="tandem", prompt=run.item.prompt, max_tokens=sampling.max_new_tokens,
+            temperature=sampling.temperature, top_p=sampling.top_p, seed=run.seed, extra_body=run.extra_body,
+        )
