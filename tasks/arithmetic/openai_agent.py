@@ -25,9 +25,11 @@ __all__ = ["solve"]
 # Every client builds its HTTP client, and an httpx client loads the system's certificates into
 # a new TLS context (26 ms here): built per episode, that took 44 % of the trainer process's time
 # and halved throughput (23 against 55 samples/s on the default job). One context made here and
-# given to every episode's client leaves 0.2 ms per client; a client per episode is then as fast
-# as one kept per event loop (43.4 / 43.3 against 41.9 / 44.5 samples/s, 12 steps, k = 1), and
-# closes with its episode, where a kept client held its event loop and connection alive.
+# given to every episode's client leaves 0.2 ms per client. What remains is a connection per
+# episode, 0.6 to 1.3 ms of CPU more than a kept-alive one (benchmarks/e2e.py --rollout agent:
+# 5 to 9 % at sync, 3 to 4 % at k = 1, none at k = 2). A client kept past its episode would save
+# that but needs an owner to close it: kept per event loop, it held its loop and socket alive
+# after the run ended.
 _TLS = ssl.create_default_context()
 
 
