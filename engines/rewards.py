@@ -21,6 +21,7 @@ Functions cross to the workers by dotted path and are imported there once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
 import inspect
 import math
@@ -202,11 +203,18 @@ class TaskReward:
             if not done.done():
                 setter(value)
 
+        def deliver(setter: Callable[[Any], None], value: Any) -> None:
+            """Runs on the pool's result thread, which must never raise: it would die, later
+            results would never arrive, and ``terminate`` would fail on the job left behind. A
+            closed loop (its run ended while the job ran) has nobody waiting: drop the value."""
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(settle, setter, value)
+
         (await self._ensure_pool()).apply_async(
             fn,
             args,
-            callback=lambda r: loop.call_soon_threadsafe(settle, done.set_result, r),
-            error_callback=lambda e: loop.call_soon_threadsafe(settle, done.set_exception, e),
+            callback=lambda r: deliver(done.set_result, r),
+            error_callback=lambda e: deliver(done.set_exception, e),
         )
         return await asyncio.wait_for(done, self._timeout_s)
 

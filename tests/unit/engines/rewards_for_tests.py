@@ -10,9 +10,12 @@ from typing import Any
 
 
 def exact(response: str, answer: str | None) -> float:
-    """1.0 for the right answer; hangs on "hang", kills its process on "crash", raises on "boom"."""
+    """1.0 for the right answer; hangs on "hang", takes a second on "slow", kills its process on
+    "crash", raises on "boom"."""
     if response == "hang":
         time.sleep(60)
+    if response == "slow":
+        time.sleep(1.0)
     if response == "crash":
         os._exit(1)
     if response == "boom":

@@ -67,6 +67,20 @@ def test_a_hanging_or_crashing_function_fails_only_its_sample_and_the_loop_stays
     assert time.monotonic() - started < 30
 
 
+def test_a_score_still_running_when_its_run_ends_is_dropped_and_the_pool_serves_on(reward: TaskReward) -> None:
+    assert asyncio.run(reward.score([sample("7")], [group("7")]))[0].reward == 1.0  # the pool is up
+
+    async def run_that_ends_while_scoring() -> None:
+        scoring = asyncio.ensure_future(reward.score([sample("slow")], [group("7")]))
+        await asyncio.sleep(0.2)
+        assert not scoring.done()  # submitted and running: asyncio.run cancels it and closes the loop
+
+    asyncio.run(run_that_ends_while_scoring())
+    time.sleep(1.5)  # the job finishes after its loop has closed
+    assert asyncio.run(reward.score([sample("9")], [group("9")]))[0].reward == 1.0
+    reward.close()  # and nothing is left that the pool cannot account for
+
+
 def test_two_rewards_are_summed_by_weight_and_each_is_kept() -> None:
     functions = [
         RewardFunction("correct", f"{FN}:exact", weight=1.0),
