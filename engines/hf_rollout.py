@@ -51,6 +51,7 @@ from transformers.cache_utils import DynamicLayer
 
 from core.protocols import GenerationRequest
 from core.records import FinishReason, ResumePolicy, Trajectory, token_trajectory
+from core.threadsafe import post_to_loop
 from engines.threads import apply_thread_budget
 from engines.tokenizer import load_tokenizer
 from param_sync import GateClosedError, LoadMode, ModuleTarget
@@ -71,9 +72,7 @@ class _Call:
     sequences: list[_Sequence] = field(default_factory=list)
 
     def deliver(self, item: Trajectory | BaseException) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:  # the caller's loop is closed: nobody will read the rest
+        if not post_to_loop(self.loop, self.queue.put_nowait, item):  # nobody will read the rest
             self.cancel()
 
     def cancel(self) -> None:

@@ -21,7 +21,6 @@ Functions cross to the workers by dotted path and are imported there once.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import importlib
 import inspect
 import math
@@ -34,6 +33,7 @@ from typing import Any
 from core.protocols import RewardResult
 from core.records import PromptGroup, Trajectory
 from core.task import RewardFunction
+from core.threadsafe import post_to_loop
 
 __all__ = ["TaskReward", "resolve_function"]
 
@@ -207,8 +207,7 @@ class TaskReward:
             """Runs on the pool's result thread, which must never raise: it would die, later
             results would never arrive, and ``terminate`` would fail on the job left behind. A
             closed loop (its run ended while the job ran) has nobody waiting: drop the value."""
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(settle, setter, value)
+            post_to_loop(loop, settle, setter, value)
 
         (await self._ensure_pool()).apply_async(
             fn,

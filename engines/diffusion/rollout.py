@@ -46,6 +46,7 @@ import torch
 
 from algorithms.flow_grpo import ode_step, sde_transition, transition_log_prob
 from core.records import FinishReason, Trajectory
+from core.threadsafe import post_to_loop
 from engines.diffusion.model import Conditioning, FlowMatchingGenerator, guided_velocity, load_generator
 from engines.diffusion.payload import ImagePayload
 from engines.threads import apply_thread_budget
@@ -82,9 +83,7 @@ class _Call:
     rows: list[_Row] = field(default_factory=list)
 
     def deliver(self, item: Trajectory | BaseException) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:  # the caller's loop is closed: nobody will read the rest
+        if not post_to_loop(self.loop, self.queue.put_nowait, item):  # nobody will read the rest
             self.cancel()
 
     def cancel(self) -> None:

@@ -30,6 +30,7 @@ import torch
 
 from core.protocols import GenerationRequest
 from core.records import FinishReason, ResumePolicy, Trajectory
+from core.threadsafe import post_to_loop
 from engines.hf_rollout import EngineClosedError, HFRolloutEngine, _Call, _request_generator, _Sequence, _validate
 from param_sync import GateClosedError
 
@@ -126,7 +127,7 @@ class ServedEngine(HFRolloutEngine):
         for running, partial in zip(runnings, out, strict=True):
             if partial is not None:
                 self._forget(running)
-                running.seq.call.loop.call_soon_threadsafe(_resolve, running, partial)
+                post_to_loop(running.seq.call.loop, _resolve, running, partial)  # a closed loop awaits nothing
         return out
 
     def freeze(self) -> None:
@@ -171,10 +172,7 @@ class ServedEngine(HFRolloutEngine):
             with self._listen_lock:
                 heard = [self._listened[id(seq)] for seq in rows if id(seq) in self._listened]
             for loop, listener in heard:
-                try:
-                    loop.call_soon_threadsafe(listener)
-                except RuntimeError:  # the listener's loop has closed
-                    pass
+                post_to_loop(loop, listener)  # a closed listener's loop has nobody to tell
         return keep
 
 

@@ -35,6 +35,8 @@ from pathlib import Path
 import aiohttp
 import structlog
 
+from core.threadsafe import post_to_loop
+
 __all__ = ["ServerFleet", "ServerLaunchError", "ServerSpec", "sglang_command", "tandem_command"]
 
 log = structlog.get_logger("tandem.launcher")
@@ -162,8 +164,7 @@ class ServerFleet:
 
         def wait() -> None:
             popen.wait()
-            with contextlib.suppress(RuntimeError):  # the loop has closed: the run is over
-                loop.call_soon_threadsafe(self._exited, proc, popen)
+            post_to_loop(loop, self._exited, proc, popen)  # a closed loop: the run is over
 
         threading.Thread(target=wait, name=f"watch-{proc.spec.name}", daemon=True).start()
 
