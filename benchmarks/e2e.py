@@ -80,7 +80,7 @@ MODES = {"sync": 0, "k1": 1, "k2": 2, "k4": 4}
 SERVER = ["engines.rollout=server", "engines.servers.startup_timeout_s=600"]
 SERVER_ASYNC_THREADS = ["engines.generation_threads=1", "engines.train_threads=1"]
 # The shipped agent that sees only the server's OpenAI endpoint (the same single completion).
-AGENT = ["engines.servers.agent=tasks.arithmetic.openai_agent:solve"]
+AGENT = ["engines.servers.agent=tasks.arithmetic.openai_agent:solver"]
 
 
 def run_mode(config_path: str, k: int, steps: int, overrides: list[str]) -> tuple[FlowResult, float]:

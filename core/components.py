@@ -48,6 +48,8 @@ class Components:
     reference: LogProbEngine | None = None
     critic: ValueEngine | None = None  # the value model, when the flow has a critic stage (algorithm.advantage: gae)
     close_callbacks: list[Callable[[], None]] = field(default_factory=list)
+    # Closers that must run in the run's event loop (an agent session's exit), before close_callbacks.
+    aclose_callbacks: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
     save_checkpoint: Callable[[Path], Awaitable[None]] | None = None  # final weights, loadable by from_pretrained
     max_prompt_tokens: int | None = None  # longer prompts are dropped at admission (recorded); None: no limit
     held_out: Callable[[int], list[TaskItem]] | None = None  # held_out(n): the same n evaluation items each call
@@ -56,3 +58,12 @@ class Components:
         """Release engine threads and resources; safe to call once the flow has stopped."""
         for close in self.close_callbacks:
             close()
+
+    async def aclose(self) -> None:
+        """The async closers in order, then :meth:`close`, which runs even if they fail or this
+        is cancelled: the engines' threads and server processes never outlive the run."""
+        try:
+            for aclose in self.aclose_callbacks:
+                await aclose()
+        finally:
+            self.close()

@@ -18,6 +18,7 @@ the event loop while the work runs (a thread, a process or a remote actor), neve
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol, runtime_checkable
@@ -27,6 +28,7 @@ from core.records import PromptGroup, TaskItem, Trajectory
 __all__ = [
     "Agent",
     "AgentRun",
+    "AgentSession",
     "Checkpointable",
     "GenerationRequest",
     "LogProbEngine",
@@ -95,6 +97,12 @@ class AgentRun:
 Agent = Callable[[AgentRun], Awaitable[object]]
 """An agent trained through an OpenAI-compatible endpoint (``engines.servers.agent``): an
 ``async`` function run once per rollout request; its calls to ``run.base_url`` are the trajectory."""
+
+AgentSession = Callable[[], AbstractAsyncContextManager[Agent]]
+"""An agent that keeps something for the whole run (an HTTP client whose connections outlive an
+episode, a pool of sandboxes, a tool server's session): a ``contextlib.asynccontextmanager``
+function yielding the per-episode :data:`Agent`. Called and entered once, in the run's event loop,
+before the first episode; exited when the run ends (finished, failed or stopped by Ctrl-C)."""
 
 
 @runtime_checkable

@@ -154,7 +154,7 @@ class AsyncTrainingFlow:
             await self._stop(run)
         finally:
             _restore_collector(collector)
-            self._close(run)
+            await self._close(run)
         result = self._report(run)
         if cancelled:
             raise asyncio.CancelledError
@@ -285,7 +285,7 @@ class AsyncTrainingFlow:
         for prompt_id in services.ledger.in_flight_ids():
             await services.ledger.drop(prompt_id, "flow", CANCELLED_AT_SHUTDOWN)
 
-    def _close(self, run: _Run) -> None:
+    async def _close(self, run: _Run) -> None:
         if run.metrics is not None:
             run.metrics.close()
         self.metrics_port, self.metrics = None, None
@@ -293,7 +293,7 @@ class AsyncTrainingFlow:
         for tracker in run.trackers:
             tracker.close()
         if self._given_components is None:
-            run.components.close()
+            await run.components.aclose()
         if run.run_dir is not None and self.config.observability.trace:
             run.services.trace.write(run.run_dir / "trace.json")
 

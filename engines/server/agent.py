@@ -15,36 +15,59 @@ between (tool results, the user's next turn, template markers) are actions maske
 loss (``loss_mask`` 0). A conversation that breaks that prefix property is refused (it would
 need one trajectory per call).
 
+An agent that keeps state across episodes (an ``openai`` client whose connections stay open, a
+sandbox pool) is given as an :data:`core.protocols.AgentSession`: the workflow enters it in the
+run's loop before the first episode and exits it in :meth:`OpenAIAgentWorkflow.aclose`, which the
+bundle's async close runs when the run ends.
+
 Invariants: one trajectory per request (the flow's contract), its actions stamped with the
 versions the server reported; the group's agents run on one server (prefix cache), chosen by
-the router's load.
+the router's load; a session is entered at most once and exited once, however the run ends.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
+import structlog
+
 from core.config import ConfigError, import_named
-from core.protocols import Agent, AgentRun, RolloutRequest, SamplingParams
+from core.protocols import Agent, AgentRun, AgentSession, RolloutRequest, SamplingParams
 from core.records import FinishReason, ResumePolicy, Trajectory, token_trajectory
 from engines.server.openai_api import CONVERSATION_HEADER
 from engines.server.router import ServerRolloutEngine
 from engines.server.schemas import ConversationRecord
 
-__all__ = ["OpenAIAgentWorkflow", "load_agent", "records_to_trajectory"]
+__all__ = ["OpenAIAgentWorkflow", "agent_session", "load_agent", "records_to_trajectory"]
+
+log = structlog.get_logger("tandem.agent")
+# How long a session's exit may take before the run ends without it: user code (closing clients,
+# sandboxes) must not keep a finished run, and the servers it talks to, from stopping.
+SESSION_EXIT_TIMEOUT_S = 30.0
 
 
-def load_agent(path: str) -> Agent:
-    """The ``async`` function ``path`` (``module:function``) names; :class:`ConfigError` naming
-    ``engines.servers.agent`` when it cannot be imported or is not an ``async`` function."""
+def agent_session(agent: Agent) -> AgentSession:
+    """A plain per-episode agent as a session that holds nothing."""
+    return lambda: contextlib.nullcontext(agent)
+
+
+def load_agent(path: str) -> AgentSession:
+    """What ``path`` (``module:name``) names, as a session: an ``async`` function (a per-episode
+    :data:`~core.protocols.Agent`) or an ``asynccontextmanager`` function yielding one (an
+    :data:`~core.protocols.AgentSession`). :class:`ConfigError` naming ``engines.servers.agent``
+    when it cannot be imported or is neither."""
     agent = import_named(path, "engines.servers.agent")
-    if not inspect.iscoroutinefunction(agent):
-        raise ConfigError(f"engines.servers.agent: {path!r} is not an async function taking an AgentRun")
-    return agent
+    if inspect.iscoroutinefunction(agent):
+        return agent_session(agent)
+    if callable(agent) and inspect.isasyncgenfunction(inspect.unwrap(agent)):
+        return agent
+    raise ConfigError(f"engines.servers.agent: {path!r} is neither an async function taking an AgentRun "
+                      "nor an asynccontextmanager function yielding one")
 
 
 def records_to_trajectory(prompt_id: int, index: int, records: Sequence[ConversationRecord],
@@ -78,21 +101,66 @@ def records_to_trajectory(prompt_id: int, index: int, records: Sequence[Conversa
 
 
 class OpenAIAgentWorkflow:
-    """Implements :class:`core.protocols.RolloutWorkflow` by running ``agent`` against the servers of
-    ``engine`` (the router; named as the text workflow names its engine, so code that starts a
-    bundle's router finds it the same way)."""
+    """Implements :class:`core.protocols.RolloutWorkflow` by running the agent ``session`` yields
+    against the servers of ``engine`` (the router; named as the text workflow names its engine, so
+    code that starts a bundle's router finds it the same way)."""
 
-    def __init__(self, engine: ServerRolloutEngine, agent: Agent, *, decode: Callable[[list[int]], str],
+    def __init__(self, engine: ServerRolloutEngine, session: AgentSession, *, decode: Callable[[list[int]], str],
                  sampling: SamplingParams | None = None) -> None:
         self.engine = engine
-        self.agent = agent
+        self._session = session
         self._decode = decode
         self._sampling = sampling or SamplingParams()
+        self._closing = asyncio.Event()
+        self._ready: asyncio.Future[Agent] | None = None
+        self._holder: asyncio.Task[None] | None = None
 
     def rollout(self, requests: Sequence[RolloutRequest]) -> AsyncIterator[Trajectory]:
         return self._rollout(list(requests))
 
+    async def _agent(self) -> Agent:
+        """The session's agent, entering the session on first use (once, however many rollouts
+        ask at once; an entry that fails fails every rollout with the session's error)."""
+        if self._closing.is_set():
+            raise RuntimeError("rollout() on a closed agent workflow")
+        if self._holder is None:
+            self._ready = asyncio.get_running_loop().create_future()
+            self._holder = asyncio.ensure_future(self._hold(self._ready))
+        assert self._ready is not None
+        await asyncio.wait([self._ready, self._holder], return_when=asyncio.FIRST_COMPLETED)
+        if not self._ready.done():
+            self._holder.result()  # the session ended before it yielded: raise its error
+            raise ConfigError("engines.servers.agent: the session ended without yielding an agent")
+        agent = self._ready.result()
+        if not callable(agent):
+            raise ConfigError(f"engines.servers.agent: the session yielded {type(agent).__name__}, "
+                              "not an async function taking an AgentRun")
+        return agent
+
+    async def _hold(self, ready: asyncio.Future[Agent]) -> None:
+        """Owns the session from entry to exit in one task, so a session holding a task group or a
+        cancel scope (anyio's, an MCP client's) exits in the task that entered it."""
+        async with self._session() as agent:
+            ready.set_result(agent)
+            await self._closing.wait()
+
+    async def aclose(self) -> None:
+        """Exit the session (if it was entered) in the run's loop; later rollouts are refused.
+        An exit that fails or outlasts ``SESSION_EXIT_TIMEOUT_S`` is logged, not raised: the run's
+        own outcome stands and the rest of the bundle still closes."""
+        self._closing.set()
+        holder = self._holder
+        if holder is None:
+            return
+        done, _ = await asyncio.wait([holder], timeout=SESSION_EXIT_TIMEOUT_S)
+        if not done:
+            holder.cancel()
+            log.error("the agent session did not exit in time; cancelled", timeout_s=SESSION_EXIT_TIMEOUT_S)
+        elif not holder.cancelled() and holder.exception() is not None:
+            log.error("the agent session failed", exc_info=holder.exception())
+
     async def _rollout(self, requests: list[RolloutRequest]) -> AsyncIterator[Trajectory]:
+        agent = await self._agent()
         await self.engine.start()
         groups: dict[int, list[RolloutRequest]] = {}
         for request in requests:
@@ -102,7 +170,7 @@ class OpenAIAgentWorkflow:
             for group in groups.values():
                 endpoint = await self.engine.pick()
                 endpoint.outstanding += len(group)
-                tasks.update(asyncio.ensure_future(self._episode(r, endpoint)) for r in group)
+                tasks.update(asyncio.ensure_future(self._episode(agent, r, endpoint)) for r in group)
             while tasks:
                 done, tasks = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
@@ -113,7 +181,7 @@ class OpenAIAgentWorkflow:
             if tasks:
                 await asyncio.wait(tasks)
 
-    async def _episode(self, request: RolloutRequest, endpoint: Any) -> Trajectory:
+    async def _episode(self, agent: Agent, request: RolloutRequest, endpoint: Any) -> Trajectory:
         conversation = f"{request.prompt_id}-{request.index}-{uuid.uuid4().hex[:12]}"
         run = AgentRun(
             base_url=endpoint.url + "/v1", conversation_id=conversation, item=request.group.item, seed=request.seed,
@@ -121,7 +189,7 @@ class OpenAIAgentWorkflow:
             headers={CONVERSATION_HEADER: conversation},
         )
         try:
-            await self.agent(run)
+            await agent(run)
             records = await endpoint.client.conversation(conversation)
         finally:
             endpoint.outstanding -= 1

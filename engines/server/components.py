@@ -8,8 +8,9 @@ configured transport. Everything else (data, tokenization, reward, checkpoints) 
 embedded bundle's, so the flow sees no difference.
 
 Invariants: nothing here waits for a server (the first call that needs them does, in the
-flow's loop); the close callbacks stop the sync, then the router, then the servers this run
-started, then the trainer, and run on success, error and Ctrl-C alike.
+flow's loop); an agent's session exits first (the async close, in the flow's loop), then the
+close callbacks stop the sync, the router, the servers this run started and the trainer, on
+success, error and Ctrl-C alike.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import shutil
 import tempfile
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from core.components import Components, TaskSetup
@@ -124,8 +126,10 @@ def build_server_components(config: TandemConfig, setup: TaskSetup) -> Component
         raise
 
     workflow: RolloutWorkflow
+    aclosers: list[Callable[[], Awaitable[None]]] = []
     if agent is not None:  # imported above: a bad path fails before any server starts
         workflow = OpenAIAgentWorkflow(router, agent, decode=decode, sampling=sampling_params(config))
+        aclosers.append(workflow.aclose)  # the agent's session exits while the servers still run
     else:
         workflow = SingleTurnWorkflow(router, sampling_params(config))
 
@@ -144,6 +148,7 @@ def build_server_components(config: TandemConfig, setup: TaskSetup) -> Component
         weight_sync=weight_sync,
         reference=reference,
         close_callbacks=closers,
+        aclose_callbacks=aclosers,
         save_checkpoint=checkpoint,
         max_prompt_tokens=max_prompt_tokens,
     )

@@ -7,39 +7,42 @@ versions the server recorded and trains on them (``engines/server/agent.py``). N
 knows about tandem's engines, and the agent may make several calls (each prompt extending the
 last call's prompt and output).
 
-Selected by ``engines.servers.agent: tasks.arithmetic.openai_agent:solve`` with
+Selected by ``engines.servers.agent: tasks.arithmetic.openai_agent:solver`` with
 ``engines.rollout: server`` (``configs/arithmetic_openai_agent.yaml``). Needs the ``openai``
 package (``pip install -e .[agents]``).
 """
 
 from __future__ import annotations
 
-import ssl
+import contextlib
+from collections.abc import AsyncIterator
 
 import openai
 
-from core.protocols import AgentRun
+from core.protocols import Agent, AgentRun
 
-__all__ = ["solve"]
-
-# Every client builds its HTTP client, and an httpx client loads the system's certificates into
-# a new TLS context (26 ms here): built per episode, that took 44 % of the trainer process's time
-# and halved throughput (23 against 55 samples/s on the default job). One context made here and
-# given to every episode's client leaves 0.2 ms per client. What remains is a connection per
-# episode, 0.6 to 1.3 ms of CPU more than a kept-alive one (benchmarks/e2e.py --rollout agent:
-# 5 to 9 % at sync, 3 to 4 % at k = 1, none at k = 2). A client kept past its episode would save
-# that but needs an owner to close it: kept per event loop, it held its loop and socket alive
-# after the run ended.
-_TLS = ssl.create_default_context()
+__all__ = ["solver"]
 
 
-async def solve(run: AgentRun) -> None:
-    """One completion of the problem's prompt with the run's sampling settings; the reward
-    scores the recorded answer, so the agent returns nothing."""
-    sampling = run.sampling
-    http_client = openai.DefaultAsyncHttpxClient(verify=_TLS)
-    async with openai.AsyncOpenAI(base_url=run.base_url, api_key="unused", max_retries=0, http_client=http_client) as client:
-        await client.completions.create(
-            model="tandem", prompt=run.item.prompt, max_tokens=sampling.max_new_tokens,
-            temperature=sampling.temperature, top_p=sampling.top_p, seed=run.seed, extra_body=run.extra_body,
-        )
+@contextlib.asynccontextmanager
+async def solver() -> AsyncIterator[Agent]:
+    """The agent's session: one HTTP connection pool for the whole run, closed when it ends.
+
+    Connections then stay open from one episode to the next: a pool per episode cost 0.6 to 1.3 ms
+    of CPU more per episode on the trainer's core (connecting, and loading the system's
+    certificates into a TLS context, 26 ms, unless shared). Each episode wraps the pool in an
+    ``openai`` client for the server it was given (the router picks one per prompt group).
+    """
+    async with openai.DefaultAsyncHttpxClient() as http:
+
+        async def solve(run: AgentRun) -> None:
+            """One completion of the problem's prompt with the run's sampling settings; the reward
+            scores the recorded answer, so the agent returns nothing."""
+            client = openai.AsyncOpenAI(base_url=run.base_url, api_key="unused", max_retries=0, http_client=http)
+            sampling = run.sampling
+            await client.completions.create(
+                model="tandem", prompt=run.item.prompt, max_tokens=sampling.max_new_tokens,
+                temperature=sampling.temperature, top_p=sampling.top_p, seed=run.seed, extra_body=run.extra_body,
+            )
+
+        yield solve

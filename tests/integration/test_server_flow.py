@@ -15,7 +15,6 @@ from typing import Any
 import pytest
 
 from core.config import ConfigError, TandemConfig, load_config, validate_config
-from engines.server.agent import OpenAIAgentWorkflow
 from pipeline import AsyncTrainingFlow
 from pipeline.builders import build_components
 from pipeline.cli import CONFIGS_DIR
@@ -99,21 +98,29 @@ def test_a_server_killed_mid_run_is_replaced_and_every_prompt_is_trained_once(tm
 
 def test_an_openai_client_agent_named_in_the_config_trains_end_to_end(tmp_path: Path) -> None:
     """The agent sees only an OpenAI endpoint (the shipped one calls it with the ``openai``
-    client); the workflow turns its calls into trajectories."""
+    client); the workflow turns its calls into trajectories, and the flow opens the agent's
+    session once and closes it when the run ends."""
     pytest.importorskip("openai")
+    from tests.unit.engines.agents_for_tests import COUNTED
+
     config = load_config(CONFIGS_DIR / "arithmetic_openai_agent.yaml", [  # the shipped config, made small
         f"run.output_dir={tmp_path}", "run.max_steps=4", "train.prompts_per_step=4", "rollout.samples_per_prompt=4",
         "engines.generation_threads=1", "engines.train_threads=1", "engines.lr=1e-3",
         "engines.servers.startup_timeout_s=240", "validation.every_versions=null",
         "observability.write_run_dir=false", "observability.trace=false", "observability.metrics_port=null",
+        "engines.servers.agent=tests.unit.engines.agents_for_tests:counted_solver",  # the shipped solver, counted
     ])
-    components = build_components(config)
-    assert isinstance(components.workflow, OpenAIAgentWorkflow)
-    try:
-        result = asyncio.run(AsyncTrainingFlow(config, components=components).run())
-    finally:
-        components.close()
+    assert load_config(CONFIGS_DIR / "arithmetic_openai_agent.yaml").engines.servers.agent == (
+        "tasks.arithmetic.openai_agent:solver")
+    before = len(COUNTED.entered_in)
+
+    async def run_and_count() -> tuple[Any, int]:
+        result = await AsyncTrainingFlow(config).run()  # the flow builds and closes the bundle
+        return result, len(COUNTED.exited_in)  # before asyncio.run would cancel a session left open
+
+    result, exited = asyncio.run(run_and_count())
     check_run(result, config)
+    assert len(COUNTED.entered_in) == exited == before + 1
     assert result.syncs and result.syncs[-1].version >= 3  # the trained weights reached the agent's server
     trained = [s.tokens for s in result.steps]
     assert all(t > 0 for t in trained)  # the recorded calls' tokens were trained

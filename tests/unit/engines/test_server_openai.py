@@ -13,7 +13,7 @@ openai = pytest.importorskip("openai")
 
 from core.protocols import AgentRun, RolloutRequest
 from core.records import PromptGroup, TaskItem
-from engines.server.agent import OpenAIAgentWorkflow, records_to_trajectory
+from engines.server.agent import OpenAIAgentWorkflow, agent_session, records_to_trajectory
 from engines.server.client import ServerClient
 from engines.server.router import ServerRolloutEngine, running
 from engines.torch_train import TorchLogProbEngine
@@ -129,7 +129,7 @@ async def test_the_agent_workflow_yields_one_trajectory_per_request(chat_model_d
         engine = ServerRolloutEngine([url], decode=decode, live_updates=True, request_timeout_s=30, health_interval_s=30,
                                      wait_for_server_s=10)
         async with running(engine):
-            workflow = OpenAIAgentWorkflow(engine, agent, decode=decode)
+            workflow = OpenAIAgentWorkflow(engine, agent_session(agent), decode=decode)
             out = [t async for t in workflow.rollout([RolloutRequest(group, i, seed=i) for i in range(2)])]
     assert sorted(t.index for t in out) == [0, 1]
     for t in out:
