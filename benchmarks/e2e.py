@@ -109,7 +109,7 @@ async def train(cfg: TandemConfig) -> FlowResult:
         await components.workflow.engine.start()  # type: ignore[attr-defined]  # the router: waits for the servers
         return await AsyncTrainingFlow(cfg, components=components).run()
     finally:
-        components.close()
+        await components.aclose()  # an agent's session exits in this loop
 
 
 def row(mode: str, result: FlowResult, wall_s: float) -> dict[str, Any]:
