@@ -203,17 +203,14 @@ class TaskReward:
             if not done.done():
                 setter(value)
 
-        def deliver(setter: Callable[[Any], None], value: Any) -> None:
-            """Runs on the pool's result thread, which must never raise: it would die, later
-            results would never arrive, and ``terminate`` would fail on the job left behind. A
-            closed loop (its run ended while the job ran) has nobody waiting: drop the value."""
-            post_to_loop(loop, settle, setter, value)
-
+        # The callbacks run on the pool's result thread, which must never raise: it would die, later
+        # results would never arrive, and ``terminate`` would fail on the job left behind. A closed
+        # loop (its run ended while the job ran) has nobody waiting: post_to_loop drops the value.
         (await self._ensure_pool()).apply_async(
             fn,
             args,
-            callback=lambda r: deliver(done.set_result, r),
-            error_callback=lambda e: deliver(done.set_exception, e),
+            callback=lambda r: post_to_loop(loop, settle, done.set_result, r),
+            error_callback=lambda e: post_to_loop(loop, settle, done.set_exception, e),
         )
         return await asyncio.wait_for(done, self._timeout_s)
 

@@ -64,7 +64,7 @@ def load_agent(path: str) -> AgentSession:
     agent = import_named(path, "engines.servers.agent")
     if inspect.iscoroutinefunction(agent):
         return agent_session(agent)
-    if callable(agent) and inspect.isasyncgenfunction(inspect.unwrap(agent)):
+    if inspect.isasyncgenfunction(inspect.unwrap(agent)):
         return agent
     raise ConfigError(f"engines.servers.agent: {path!r} is neither an async function taking an AgentRun "
                       "nor an asynccontextmanager function yielding one")
@@ -129,25 +129,24 @@ class OpenAIAgentWorkflow:
         assert self._ready is not None
         await asyncio.wait([self._ready, self._holder], return_when=asyncio.FIRST_COMPLETED)
         if not self._ready.done():
-            self._holder.result()  # the session ended before it yielded: raise its error
-            raise ConfigError("engines.servers.agent: the session ended without yielding an agent")
-        agent = self._ready.result()
-        if not callable(agent):
-            raise ConfigError(f"engines.servers.agent: the session yielded {type(agent).__name__}, "
-                              "not an async function taking an AgentRun")
-        return agent
+            self._holder.result()  # the session failed before it yielded: raise its error
+        return self._ready.result()
 
     async def _hold(self, ready: asyncio.Future[Agent]) -> None:
         """Owns the session from entry to exit in one task, so a session holding a task group or a
         cancel scope (anyio's, an MCP client's) exits in the task that entered it."""
         async with self._session() as agent:
+            if not callable(agent):
+                raise ConfigError(f"engines.servers.agent: the session yielded {type(agent).__name__}, "
+                                  "not an async function taking an AgentRun")
             ready.set_result(agent)
             await self._closing.wait()
 
     async def aclose(self) -> None:
         """Exit the session (if it was entered) in the run's loop; later rollouts are refused.
         An exit that fails or outlasts ``SESSION_EXIT_TIMEOUT_S`` is logged, not raised: the run's
-        own outcome stands and the rest of the bundle still closes."""
+        own outcome stands and the rest of the bundle still closes. (An entry that failed was
+        already raised to the rollouts that asked.)"""
         self._closing.set()
         holder = self._holder
         if holder is None:
@@ -156,8 +155,8 @@ class OpenAIAgentWorkflow:
         if not done:
             holder.cancel()
             log.error("the agent session did not exit in time; cancelled", timeout_s=SESSION_EXIT_TIMEOUT_S)
-        elif not holder.cancelled() and holder.exception() is not None:
-            log.error("the agent session failed", exc_info=holder.exception())
+        elif self._ready is not None and self._ready.done() and not holder.cancelled() and holder.exception() is not None:
+            log.error("the agent session failed on exit", exc_info=holder.exception())
 
     async def _rollout(self, requests: list[RolloutRequest]) -> AsyncIterator[Trajectory]:
         agent = await self._agent()
