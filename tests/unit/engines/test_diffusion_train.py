@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from algorithms import PolicyObjective
 from algorithms.batch import LossInputs
@@ -107,17 +108,36 @@ def test_the_loss_sees_samples_by_steps_with_the_trained_steps_as_mask(trajector
     assert metrics["ratio_mean"] == pytest.approx(1.0, abs=1e-4) and metrics["clip_fraction"] == 0.0
 
 
+def stepped_gradient(engine: DiffusionTrainEngine, batch: list[Trajectory]) -> tuple[dict[str, float], torch.Tensor]:
+    """One train step's metrics and the (clipped) gradient the optimizer stepped with, flattened."""
+    seen: list[torch.Tensor] = []
+
+    def record(optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
+        seen.append(torch.cat([p.grad.reshape(-1).clone() for group in optimizer.param_groups for p in group["params"]]))
+
+    handle = register_optimizer_step_pre_hook(record)
+    try:
+        metrics = asyncio.run(engine.train_step(batch, flow_grpo()))
+    finally:
+        handle.remove()
+    (gradient,) = seen
+    return metrics, gradient
+
+
 def test_micro_batching_does_not_change_the_step(trajectories: list[Trajectory]) -> None:
+    # The gradient is compared, not the weights after the step: AdamW's first step is lr * g / (|g| + eps),
+    # whose slope is lr / eps = 1e5 at g = 0, so float32 rounding (which differs between x86-64 CPUs)
+    # in a near-zero gradient becomes a weight difference of a sizable fraction of a step.
     whole, split = trainer(max_pairs_per_micro_batch=1000), trainer(max_pairs_per_micro_batch=7)
     try:
-        a = asyncio.run(whole.train_step(trajectories, flow_grpo()))
-        b = asyncio.run(split.train_step(trajectories, flow_grpo()))
+        a, whole_gradient = stepped_gradient(whole, trajectories)
+        b, split_gradient = stepped_gradient(split, trajectories)
         assert a["micro_batches"] == 1.0 and b["micro_batches"] > 2.0
         assert b["loss"] == pytest.approx(a["loss"], abs=1e-6)
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
-        for name, tensor in weights(whole).items():
-            # Adam divides by the gradient's own size: float noise in tiny gradients shows, far below a step (1e-3).
-            torch.testing.assert_close(weights(split)[name], tensor, atol=2e-5, rtol=1e-4)
+        # Summing micro-batches reorders float32 additions: the difference is rounding of the whole
+        # gradient's size (measured 1.7e-6 of its norm), far below a mis-weighted micro-batch's.
+        assert float((split_gradient - whole_gradient).norm()) <= 1e-4 * float(whole_gradient.norm())
         assert whole.version == split.version == 1
     finally:
         whole.close()
