@@ -138,6 +138,7 @@ class TaskReward:
         self._inline = {f.name: resolved[f.name] for f in functions if f.runner == "inline"}
         self._context = {name: _wanted_context(fn) for name, fn in resolved.items()}
         self.restarts = 0  # pools replaced after a hang or a crash
+        self._starting: asyncio.Task[multiprocessing.pool.Pool] | None = None
 
     async def score(self, trajectories: Sequence[Trajectory], groups: Sequence[PromptGroup]) -> list[RewardResult]:
         responses = [self._render(t) for t in trajectories]
@@ -176,18 +177,27 @@ class TaskReward:
     async def _ensure_pool(self) -> multiprocessing.pool.Pool:
         """The worker pool, started if need be and ready: every worker has imported the pool
         functions, so ``timeout_s`` bounds scoring alone, never a worker's start-up (seconds of
-        interpreter start and imports on a loaded machine)."""
-        if self._pool is None:
-            pool = multiprocessing.get_context("spawn").Pool(self._workers)
-            paths = tuple(f.fn for f in self.functions if f.runner == "pool")
-            try:
-                ready = [pool.apply_async(_import_functions, (paths,)) for _ in range(self._workers)]
-                await asyncio.to_thread(lambda: [r.get(_STARTUP_TIMEOUT_S) for r in ready])
-            except BaseException:
-                pool.terminate()
-                raise
-            self._pool = pool
-        return self._pool
+        interpreter start and imports on a loaded machine). Concurrent callers share one start."""
+        if self._pool is not None:
+            return self._pool
+        loop = asyncio.get_running_loop()
+        if self._starting is None or self._starting.get_loop() is not loop or self._starting.done():
+            self._starting = loop.create_task(self._start_pool())
+        # Shielded: a caller that stops waiting leaves the start to the others; the run's end
+        # cancels the start itself, which then terminates its pool (no thread left waiting).
+        return await asyncio.shield(self._starting)
+
+    async def _start_pool(self) -> multiprocessing.pool.Pool:
+        pool = multiprocessing.get_context("spawn").Pool(self._workers)
+        paths = tuple(f.fn for f in self.functions if f.runner == "pool")
+        try:
+            ready = [_submitted(pool, _import_functions, (paths,)) for _ in range(self._workers)]
+            await asyncio.wait_for(asyncio.gather(*ready), _STARTUP_TIMEOUT_S)
+        except BaseException:
+            pool.terminate()
+            raise
+        self._pool = pool
+        return pool
 
     def _restart(self) -> None:
         if self._pool is not None:
@@ -196,23 +206,7 @@ class TaskReward:
         self.restarts += 1
 
     async def _apply(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
-        loop = asyncio.get_running_loop()
-        done: asyncio.Future[Any] = loop.create_future()
-
-        def settle(setter: Callable[[Any], None], value: Any) -> None:
-            if not done.done():
-                setter(value)
-
-        # The callbacks run on the pool's result thread, which must never raise: it would die, later
-        # results would never arrive, and ``terminate`` would fail on the job left behind. A closed
-        # loop (its run ended while the job ran) has nobody waiting: post_to_loop drops the value.
-        (await self._ensure_pool()).apply_async(
-            fn,
-            args,
-            callback=lambda r: post_to_loop(loop, settle, done.set_result, r),
-            error_callback=lambda e: post_to_loop(loop, settle, done.set_exception, e),
-        )
-        return await asyncio.wait_for(done, self._timeout_s)
+        return await asyncio.wait_for(_submitted(await self._ensure_pool(), fn, args), self._timeout_s)
 
     async def _in_pool(self, path: str, responses: list[Any], answers: list[str | None],
                        contexts: list[dict[str, Any]]) -> list[Verdict]:
@@ -234,6 +228,27 @@ class TaskReward:
             self._pool.terminate()
             self._pool.join()
             self._pool = None
+
+
+def _submitted(pool: multiprocessing.pool.Pool, fn: Callable[..., Any], args: tuple[Any, ...]) -> asyncio.Future[Any]:
+    """``fn(*args)`` in ``pool``, as a future of the running loop (nothing blocks a thread on it)."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[Any] = loop.create_future()
+
+    def settle(setter: Callable[[Any], None], value: Any) -> None:
+        if not done.done():
+            setter(value)
+
+    # The callbacks run on the pool's result thread, which must never raise: it would die, later
+    # results would never arrive, and ``terminate`` would fail on the job left behind. A closed
+    # loop (its run ended while the job ran) has nobody waiting: post_to_loop drops the value.
+    pool.apply_async(
+        fn,
+        args,
+        callback=lambda r: post_to_loop(loop, settle, done.set_result, r),
+        error_callback=lambda e: post_to_loop(loop, settle, done.set_exception, e),
+    )
+    return done
 
 
 def _context(wanted: tuple[str, ...], trajectory: Trajectory, group: PromptGroup) -> dict[str, Any]:
