@@ -36,3 +36,7 @@ class LossInputs:
     # the closed form between two Gaussian transitions (``algorithms.flow_grpo.transition_kl``),
     # which needs the reference's transition mean, not a log-prob of the sampled action.
     kl: torch.Tensor | None = None
+    # 1.0 on trained tokens sampled by the very weights ``logprobs`` come from (the trainer's
+    # version): there ``behaviour_logprobs - logprobs`` is the engines' numerical mismatch alone
+    # (``algorithms.corrections.mismatch_metrics``). None: the engine does not say.
+    fresh: torch.Tensor | None = None

@@ -50,13 +50,17 @@ import torch
 __all__ = [
     "CORRECTION_LEVELS",
     "CORRECTION_MODES",
+    "ICEPOP_BAND",
     "SAFETY_LOG_RATIO",
     "BehaviourWeights",
     "CorrectionLevel",
     "CorrectionMode",
     "behaviour_importance_weights",
     "behaviour_weight_metrics",
+    "mismatch_metrics",
 ]
+
+ICEPOP_BAND = (0.5, 5.0)  # Ring-1T's alpha and beta: where IcePop keeps a token
 
 CorrectionLevel = Literal["token", "sequence", "geometric"]
 CorrectionMode = Literal["clamp", "mask"]
@@ -148,4 +152,30 @@ def behaviour_weight_metrics(weights: BehaviourWeights, mask: torch.Tensor) -> d
         "importance_weight_mean": float(torch.where(real, weights.weight, 0.0).to(torch.float32).sum() / num_real),
         "behaviour_weight_clamped_fraction": float(weights.clamped.sum() / num_real),
         "masked_fraction": float(weights.masked.sum() / num_real),
+    }
+
+
+def mismatch_metrics(behaviour: torch.Tensor, train: torch.Tensor, fresh: torch.Tensor) -> dict[str, float]:
+    """The training-inference mismatch of one micro-batch: ``log pi_rollout - log pi_train`` over
+    the tokens ``fresh`` marks, those sampled by the very weights ``train`` scores them with
+    (any other token's gap mixes in the policy's change since it was sampled).
+
+    ``rollout_gap_mean`` (signed), ``rollout_gap_abs_max`` (combine micro-batches with max),
+    ``rollout_gap_icepop_fraction`` (tokens whose ratio ``pi_train / pi_rollout`` leaves IcePop's
+    band [0.5, 5], which IcePop would mask) and ``rollout_gap_count`` (how many were compared; a
+    count: sum it). All 0 without such tokens.
+    """
+    valid = (fresh > 0) & torch.isfinite(behaviour) & torch.isfinite(train)
+    count = int(valid.sum())
+    if count == 0:
+        return {"rollout_gap_mean": 0.0, "rollout_gap_abs_max": 0.0, "rollout_gap_icepop_fraction": 0.0,
+                "rollout_gap_count": 0.0}
+    gap = (behaviour - train).to(torch.float64)[valid]
+    low, high = math.log(ICEPOP_BAND[0]), math.log(ICEPOP_BAND[1])
+    outside = (-gap < low) | (-gap > high)  # log ratio = train - behaviour = -gap
+    return {
+        "rollout_gap_mean": float(gap.mean()),
+        "rollout_gap_abs_max": float(gap.abs().max()),
+        "rollout_gap_icepop_fraction": float(outside.to(torch.float64).mean()),
+        "rollout_gap_count": float(count),
     }

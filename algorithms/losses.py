@@ -66,6 +66,7 @@ from algorithms.corrections import (
     CorrectionMode,
     behaviour_importance_weights,
     behaviour_weight_metrics,
+    mismatch_metrics,
 )
 from algorithms.kl import KL_LOSS_ESTIMATORS, MAX_LOG_RATIO, compute_kl, importance_weighted_kl, k3_clamped, kl_k3
 
@@ -385,7 +386,9 @@ def compute_policy_loss(inputs: LossInputs, cfg: LossSettings) -> tuple[torch.Te
     only, the behaviour weight's distribution from
     :func:`~algorithms.corrections.behaviour_weight_metrics`: ``behaviour_ratio_mean``,
     ``behaviour_ratio_max`` (combine micro-batches with max), ``importance_weight_mean`` (after
-    the correction) and ``behaviour_weight_clamped_fraction``.
+    the correction) and ``behaviour_weight_clamped_fraction``; where the engine marks the tokens
+    its weights sampled (``inputs.fresh``), the training-inference mismatch on them:
+    :func:`~algorithms.corrections.mismatch_metrics`.
     """
     _check_inputs(inputs, cfg)
     real = inputs.mask > 0
@@ -455,4 +458,6 @@ def compute_policy_loss(inputs: LossInputs, cfg: LossSettings) -> tuple[torch.Te
     metrics["out_of_range_fraction"] = _token_mean(out_of_range, real)
     if inputs.entropy is not None:
         metrics["entropy_mean"] = _token_mean(inputs.entropy, real)
+    if inputs.fresh is not None:
+        metrics.update(mismatch_metrics(behaviour, logprobs.detach(), (inputs.fresh > 0) & usable))
     return loss, metrics

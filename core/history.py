@@ -157,6 +157,7 @@ class RunHistory:
         self.last_rewards: deque[float] = deque(maxlen=self._tenth)  # of the latest tenth
         self._listeners: list[Callable[[StepRecord], None]] = []
         self._validation_listeners: list[Callable[[ValidationRecord], None]] = []
+        self._sync_listeners: list[Callable[[SyncRecord], None]] = []
         self._row_listeners: list[Callable[[dict[str, Any]], None]] = []
         # append: a resumed run continues its file (``core.checkpoint.trim_metrics``).
         self._jsonl = jsonl_path.open("a" if append else "w") if jsonl_path is not None else None
@@ -166,6 +167,9 @@ class RunHistory:
 
     def on_validation(self, listener: Callable[[ValidationRecord], None]) -> None:
         self._validation_listeners.append(listener)
+
+    def on_sync(self, listener: Callable[[SyncRecord], None]) -> None:
+        self._sync_listeners.append(listener)
 
     def on_row(self, listener: Callable[[dict[str, Any]], None]) -> None:
         """Call ``listener(row)`` with every row written to ``metrics.jsonl`` (steps,
@@ -205,7 +209,10 @@ class RunHistory:
             listener(row)
 
     def add_sync(self, version: int, metrics: dict[str, float]) -> None:
-        self.syncs.append(SyncRecord(version, dict(metrics)))
+        record = SyncRecord(version, dict(metrics))
+        self.syncs.append(record)
+        for listener in self._sync_listeners:
+            listener(record)
 
     def add_critic(self, record: CriticRecord) -> None:
         """A critic step: streamed to ``metrics.jsonl`` and the row listeners; the latest kept."""

@@ -41,7 +41,6 @@ import threading
 from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import Self
 
 import numpy as np
 import torch
@@ -52,11 +51,11 @@ from transformers.cache_utils import DynamicLayer
 from core.protocols import GenerationRequest
 from core.records import FinishReason, ResumePolicy, Trajectory, token_trajectory
 from core.threadsafe import post_to_loop
-from engines.threads import apply_thread_budget
+from engines.threads import ClosesOnAThread, apply_thread_budget
 from engines.tokenizer import load_tokenizer
 from param_sync import GateClosedError, LoadMode, ModuleTarget
 
-__all__ = ["EngineClosedError", "HFRolloutEngine"]
+__all__ = ["EngineClosedError", "HFRolloutEngine", "validate_request"]
 
 
 class EngineClosedError(RuntimeError):
@@ -117,7 +116,8 @@ def _request_generator(request: GenerationRequest) -> torch.Generator:
     return torch.Generator().manual_seed(int(seed))
 
 
-def _validate(request: GenerationRequest) -> None:
+def validate_request(request: GenerationRequest) -> None:
+    """Refuse a request no rollout engine can serve, naming the field."""
     p = request.params
     if not request.prompt_ids:
         raise ValueError(f"request {request.prompt_id}/{request.index}: empty prompt")
@@ -185,7 +185,7 @@ def _merge(blocks: list[_Batch]) -> _Batch:
     return _Batch(rows, _with_kv(blocks[0].cache, kv), torch.cat(masks))
 
 
-class HFRolloutEngine:
+class HFRolloutEngine(ClosesOnAThread):
     """Samples sequences from a transformers causal LM on one dedicated decode thread.
 
     Implements :class:`core.protocols.RolloutEngine`. Several concurrent ``generate()``
@@ -254,7 +254,7 @@ class HFRolloutEngine:
         Must be called from a running event loop, which is where the samples are delivered.
         """
         for request in requests:
-            _validate(request)
+            validate_request(request)
         call = _Call(asyncio.get_running_loop(), asyncio.Queue())
         call.sequences = [_Sequence(r, call, _request_generator(r)) for r in requests]
         with self._cond:
@@ -273,14 +273,6 @@ class HFRolloutEngine:
         self.target.gate.close()
         self._thread.join()
 
-    async def aclose(self) -> None:
-        await asyncio.to_thread(self.close)
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.aclose()
 
     # ----------------------------------------------------------------------- caller side
 

@@ -16,15 +16,37 @@ measured by ``tests/unit/engines/test_threads.py``:
 
 Hence the invariant this module keeps: every engine worker thread applies its own budget
 first thing, before any torch work, and never relies on the process default.
+
+Also here: :class:`ClosesOnAThread`, the ``async with`` / ``aclose()`` every engine with a
+blocking ``close()`` (joining its threads or processes) offers, run off the event loop.
 """
 
 from __future__ import annotations
 
+import asyncio
 from concurrent.futures import ThreadPoolExecutor
+from typing import Self
 
 import torch
 
-__all__ = ["apply_thread_budget", "budgeted_executor"]
+__all__ = ["ClosesOnAThread", "apply_thread_budget", "budgeted_executor"]
+
+
+class ClosesOnAThread:
+    """Mixin for an engine whose ``close()`` blocks: ``aclose()`` and ``async with`` run it on a
+    thread, so the event loop keeps serving while threads or processes are joined."""
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    async def aclose(self) -> None:
+        await asyncio.to_thread(self.close)
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
 
 
 def apply_thread_budget(num_threads: int) -> None:

@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from algorithms.metrics import merge_metric_sums
 from core.protocols import LossObjective
 from core.records import Trajectory
 from engines.threads import apply_thread_budget
@@ -363,8 +364,7 @@ class DataParallelRanks:
         for reply in replies:
             assert isinstance(reply, Accumulated)
             micro_batches += reply.micro_batches
-            for key, value in reply.sums.items():
-                sums[key] = sums.get(key, 0.0) + value
+        sums = merge_metric_sums([sums, *(reply.sums for reply in replies)])  # type: ignore[union-attr]
 
         for r in self._ranks:
             self._send(r, ReduceGradients(proceed=True))

@@ -61,6 +61,7 @@ class MicroBatch:
     response_ids: torch.Tensor
     mask: torch.Tensor
     loss_mask: torch.Tensor
+    versions: torch.Tensor  # [rows, R] the policy version of each response token, -1 on padding
 
     @property
     def num_tokens(self) -> int:
@@ -91,12 +92,14 @@ def collate(trajectories: Sequence[Trajectory], indices: list[int], device: torc
     response_ids = torch.zeros(len(rows), longest_response, dtype=torch.long)
     mask = torch.zeros(len(rows), longest_response)
     loss_mask = torch.zeros(len(rows), longest_response)
+    versions = torch.full((len(rows), longest_response), -1, dtype=torch.long)
     for b, (i, s) in enumerate(zip(indices, rows, strict=True)):
         tokens = [*s.prompt_ids, *s.response_ids]
         input_ids[b, : len(tokens)] = torch.tensor(tokens)
         attention_mask[b, : len(tokens)] = 1
         response_ids[b, : len(s.response_ids)] = torch.tensor(s.response_ids, dtype=torch.long)
         mask[b, : len(s.response_ids)] = 1.0
+        versions[b, : len(trajectories[i].versions)] = torch.tensor(trajectories[i].versions, dtype=torch.long)
         trained = trajectories[i].loss_mask
         if trained is None:
             loss_mask[b, : len(s.response_ids)] = 1.0
@@ -117,6 +120,7 @@ def collate(trajectories: Sequence[Trajectory], indices: list[int], device: torc
         response_ids=response_ids.to(device),
         mask=mask.to(device),
         loss_mask=loss_mask.to(device),
+        versions=versions.to(device),
     )
 
 

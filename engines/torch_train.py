@@ -41,16 +41,17 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Self, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from transformers import AutoModelForCausalLM
 
 from algorithms.batch import LossInputs
+from algorithms.metrics import accumulate_metrics
 from algorithms.objective import LossMeanOver
 from core.protocols import LossObjective
 from core.records import Trajectory
-from engines.threads import budgeted_executor
+from engines.threads import ClosesOnAThread, budgeted_executor
 from engines.torch_microbatch import MicroBatch, collate, plan_micro_batches, response_logprobs, token_payload
 from param_sync import unique_weights
 
@@ -80,7 +81,7 @@ class StepTotals:
         return len(batch.indices) / self.sequences
 
 
-class _TorchModelEngine:
+class _TorchModelEngine(ClosesOnAThread):
     """A model on a dedicated worker thread that scores samples in token-budget micro-batches."""
 
     def __init__(
@@ -131,14 +132,6 @@ class _TorchModelEngine:
         """Finish queued work and stop the worker thread."""
         self._executor.shutdown(wait=True)
 
-    async def aclose(self) -> None:
-        await asyncio.to_thread(self.close)
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.aclose()
 
     async def _on_worker(self, fn: Callable[..., _T], *args: Any) -> _T:
         return await asyncio.wrap_future(self._executor.submit(fn, *args))
@@ -433,14 +426,14 @@ class TorchTrainEngine(_TorchModelEngine):
                 prox_logprobs=_padded([s.prox_logprobs for s in rows], trained) if has_prox else None,
                 ref_logprobs=_padded([s.ref_logprobs for s in rows], trained) if has_ref else None,
                 entropy=entropy,
+                fresh=(batch.versions == self._version).to(trained.dtype) * trained,
             )
             loss, metrics = loss_fn(inputs)
             weight = totals.weight(batch)
             (loss * weight).backward()
             num_micro_batches += 1
             mean_entropy = float((entropy * trained).sum() / trained.sum().clamp(min=1))
-            for key, value in {**metrics, "loss": float(loss.detach()), "entropy": mean_entropy}.items():
-                sums[key] = sums.get(key, 0.0) + weight * value
+            accumulate_metrics(sums, {**metrics, "loss": float(loss.detach()), "entropy": mean_entropy}, weight)
         return sums, num_micro_batches
 
     def _clip_and_step(self) -> float:

@@ -60,15 +60,16 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from pathlib import Path
-from typing import Any, Protocol, Self, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 
 from algorithms.batch import LossInputs
+from algorithms.metrics import accumulate_metrics, merge_metric_sums
 from core.config import TandemConfig, TorchEnginesConfig
 from core.protocols import LossObjective
 from core.records import FinishReason, Trajectory, token_trajectory
-from engines.threads import apply_thread_budget
+from engines.threads import ClosesOnAThread, apply_thread_budget
 from engines.torch_ddp import TrainRankError, balance
 from engines.torch_microbatch import MicroBatch, collate, plan_micro_batches, token_payload
 from engines.torch_train import StepTotals, _check_trainable, _padded
@@ -285,8 +286,7 @@ def accumulate_share(
         micro_batches += 1
         trained = batch.loss_mask
         mean_entropy = float((entropy * trained).sum() / trained.sum().clamp(min=1))
-        for key, value in {**metrics, "loss": float(loss.detach()), "entropy": mean_entropy}.items():
-            sums[key] = sums.get(key, 0.0) + weight * value
+        accumulate_metrics(sums, {**metrics, "loss": float(loss.detach()), "entropy": mean_entropy}, weight)
     if failure is not None:
         raise failure
     return sums, micro_batches
@@ -729,7 +729,7 @@ class RayRanks:
 # ---------------------------------------------------------------- the driver
 
 
-class TrainerGroup:
+class TrainerGroup(ClosesOnAThread):
     """The train engine of a group of ranks (implements ``TrainEngine``); see the module docstring.
 
     ``ranks`` are started here: the constructor waits until every rank has built its engine
@@ -830,14 +830,6 @@ class TrainerGroup:
         self._executor.shutdown(wait=True)
         self._ranks.close(broken=self._broken is not None)
 
-    async def aclose(self) -> None:
-        await asyncio.to_thread(self.close)
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.aclose()
 
     # ------------------------------------------------------------ worker thread only
 
@@ -936,14 +928,11 @@ class TrainerGroup:
             self._exchange([Step(proceed=False)] * self.size)
             rank, reply = failed[0]
             raise TrainRankError(rank, f"failed:\n{reply.traceback}")  # type: ignore[union-attr]
-        sums: dict[str, float] = {}
-        micro_batches = 0
         # Tensor-parallel ranks of a replica computed the same share: count each replica once.
-        for reply in replies[:: self._spec.tensor_parallel_size]:
-            assert isinstance(reply, Accumulated)
-            micro_batches += reply.micro_batches
-            for key, value in reply.sums.items():
-                sums[key] = sums.get(key, 0.0) + value
+        replicas = replies[:: self._spec.tensor_parallel_size]
+        assert all(isinstance(reply, Accumulated) for reply in replicas)
+        micro_batches = sum(reply.micro_batches for reply in replicas)  # type: ignore[union-attr]
+        sums = merge_metric_sums([reply.sums for reply in replicas])  # type: ignore[union-attr]
 
         stepped = self._exchange([Step(proceed=True)] * self.size)
         for rank, reply in enumerate(stepped):

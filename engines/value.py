@@ -31,6 +31,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from algorithms.gae import ValueInputs
+from algorithms.metrics import accumulate_metrics
 from core.protocols import LossObjective
 from core.records import Trajectory
 from engines.threads import budgeted_executor
@@ -160,8 +161,7 @@ class TorchValueEngine:
             loss, metrics = objective(inputs)
             weight = totals.weight(batch)
             (loss * weight).backward()
-            for key, value in metrics.items():
-                sums[key] = sums.get(key, 0.0) + weight * value
+            accumulate_metrics(sums, metrics, weight)
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self._model.parameters(), self._max_grad_norm))
         if not math.isfinite(grad_norm):
             self._optimizer.zero_grad(set_to_none=True)

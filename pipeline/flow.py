@@ -210,6 +210,7 @@ class AsyncTrainingFlow:
         )
         history.on_step(metrics.observe_step)
         history.on_validation(metrics.observe_validation)
+        history.on_sync(metrics.observe_sync)
         if run.run_dir is not None:
             run.trackers = open_trackers(cfg, run.run_dir)
             for tracker in run.trackers:

@@ -23,7 +23,10 @@ version), ``trajectory_version_span`` (newest minus oldest token version),
 to its train step), ``value_staleness`` (with a critic: step minus the critic version of its
 values); ``consumption_total{action}`` (what the train role did with arriving groups: stale,
 stale_trained, stale_dropped, regenerated, withheld, filtered, zero_variance_trained) and
-``dynamic_sampling_filter_rate`` (the last step's filtered groups over filtered plus trained).
+``dynamic_sampling_filter_rate`` (the last step's filtered groups over filtered plus trained);
+``rollout_train_gap{stat}`` (log pi_rollout - log pi_train on the last step's tokens that the
+trained weights sampled: mean, abs_max, icepop_fraction; 0 until an engine measures it) and
+``weight_probe_gap`` (the largest log-prob gap of the last weight sync's probe, vLLM).
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from core.channel import ReceiveChannel
-from core.history import StepRecord, ValidationRecord
+from core.history import StepRecord, SyncRecord, ValidationRecord
 from core.ledger import Ledger
 from core.staleness import StalenessGate, VersionClock
 from state_machines.consumption import CONSUMPTION_ACTIONS
@@ -185,6 +188,14 @@ class FlowMetrics:
                                    ["action"], registry=r)
         for action in CONSUMPTION_ACTIONS:
             self.consumption.labels(action)  # every action exported, at 0 until it happens
+        self.rollout_train_gap = Gauge(
+            "tandem_rollout_train_gap", "log pi_rollout - log pi_train on the last step's fresh trained tokens "
+            "(stat: mean, abs_max, icepop_fraction)", ["stat"], registry=r,
+        )
+        for stat in ("mean", "abs_max", "icepop_fraction"):
+            self.rollout_train_gap.labels(stat)  # exported from the start, as the unlabelled gauges are
+        self.probe_gap = Gauge("tandem_weight_probe_gap", "Largest log-prob gap of the last sync's probe (nats)",
+                               registry=r)
         self.filter_rate = Gauge("tandem_dynamic_sampling_filter_rate",
                                  "Last step's groups filtered by dynamic sampling over filtered plus trained", registry=r)
         self._server: Any = None
@@ -203,10 +214,19 @@ class FlowMetrics:
             self.rollout_metric.labels(name).set(value)
         for field, histogram in self.lags.items():
             histogram.observe_all(getattr(record, field))
+        for stat in ("mean", "abs_max", "icepop_fraction"):
+            value = record.train_metrics.get(f"rollout_gap_{stat}")
+            if value is not None:
+                self.rollout_train_gap.labels(stat).set(value)
         for action, count in record.consumption.items():
             self.consumption.labels(action).inc(count)
         filtered = record.consumption.get("filtered", 0)
         self.filter_rate.set(filtered / (filtered + record.groups))
+
+    def observe_sync(self, record: SyncRecord) -> None:
+        gap = record.metrics.get("logprob_gap")
+        if gap is not None:
+            self.probe_gap.set(gap)
 
     def observe_validation(self, record: ValidationRecord) -> None:
         self.validation_reward.set(record.reward_mean)

@@ -39,7 +39,6 @@ from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Self
 
 import numpy as np
 import torch
@@ -49,7 +48,7 @@ from core.records import FinishReason, Trajectory
 from core.threadsafe import post_to_loop
 from engines.diffusion.model import Conditioning, FlowMatchingGenerator, guided_velocity, load_generator
 from engines.diffusion.payload import ImagePayload
-from engines.threads import apply_thread_budget
+from engines.threads import ClosesOnAThread, apply_thread_budget
 from param_sync import GateClosedError, LoadMode, ModuleTarget
 
 __all__ = ["DenoiseRequest", "DiffusionRolloutEngine", "EngineClosedError"]
@@ -121,7 +120,7 @@ def _validate(request: DenoiseRequest) -> None:
         raise ValueError(f"request {request.prompt_id}/{request.index}: no denoising steps")
 
 
-class DiffusionRolloutEngine:
+class DiffusionRolloutEngine(ClosesOnAThread):
     """Samples images with Flow-GRPO's SDE sampler on one dedicated denoising thread.
 
     ``generate(requests)`` streams one image :class:`~core.records.Trajectory` per request
@@ -204,14 +203,6 @@ class DiffusionRolloutEngine:
         self.target.gate.close()
         self._thread.join()
 
-    async def aclose(self) -> None:
-        await asyncio.to_thread(self.close)
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.aclose()
 
     # ----------------------------------------------------------------------- caller side
 

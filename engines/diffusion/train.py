@@ -40,18 +40,19 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Self, TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
 
 from algorithms.batch import LossInputs
 from algorithms.flow_grpo import sde_transition, transition_kl, transition_log_prob
+from algorithms.metrics import accumulate_metrics
 from core.protocols import LossObjective
 from core.records import Trajectory
 from engines.diffusion.model import MODEL_INDEX, guided_velocity, load_generator
 from engines.diffusion.payload import ImagePayload, image_payload
-from engines.threads import budgeted_executor
+from engines.threads import ClosesOnAThread, budgeted_executor
 from param_sync import unique_weights
 
 __all__ = ["TRAINER_STATE_FILE", "DiffusionTrainEngine"]
@@ -79,7 +80,7 @@ class _Scored:
     kl: torch.Tensor | None  # [P] exact KL to the reference, when there is one
 
 
-class DiffusionTrainEngine:
+class DiffusionTrainEngine(ClosesOnAThread):
     """The trained transformer of a flow-matching generator; implements ``core.protocols.TrainEngine``.
 
     ``kl_reference=True`` keeps a frozen copy of the initial transformer and fills
@@ -178,14 +179,6 @@ class DiffusionTrainEngine:
         """Finish queued work and stop the worker thread."""
         self._executor.shutdown(wait=True)
 
-    async def aclose(self) -> None:
-        await asyncio.to_thread(self.close)
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.aclose()
 
     async def _on_worker(self, fn: Callable[..., _T], *args: Any) -> _T:
         return await asyncio.wrap_future(self._executor.submit(fn, *args))
@@ -292,8 +285,7 @@ class DiffusionTrainEngine:
             loss, metrics = objective(inputs)
             share = len(pairs.prompts) / total_pairs if objective.mean_over == "tokens" else len(rows) / len(samples)
             (loss * share).backward()
-            for key, value in {**metrics, "loss": float(loss.detach())}.items():
-                sums[key] = sums.get(key, 0.0) + share * value
+            accumulate_metrics(sums, {**metrics, "loss": float(loss.detach())}, share)
         grad_norm = self._clip_and_step()
         return {
             **sums,

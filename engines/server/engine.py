@@ -31,7 +31,7 @@ import torch
 from core.protocols import GenerationRequest
 from core.records import FinishReason, ResumePolicy, Trajectory
 from core.threadsafe import post_to_loop
-from engines.hf_rollout import EngineClosedError, HFRolloutEngine, _Call, _request_generator, _Sequence, _validate
+from engines.hf_rollout import EngineClosedError, HFRolloutEngine, _Call, _request_generator, _Sequence, validate_request
 from param_sync import GateClosedError
 
 __all__ = ["Partial", "Running", "ServedEngine"]
@@ -72,7 +72,7 @@ class ServedEngine(HFRolloutEngine):
 
     def submit(self, request: GenerationRequest, *, listener: Callable[[], None] | None = None) -> Running:
         """Queue one request; ``listener`` (called on this loop) hears of every token it gets."""
-        _validate(request)
+        validate_request(request)
         loop = asyncio.get_running_loop()
         call = _Call(loop, asyncio.Queue())
         seq = _Sequence(request, call, _request_generator(request))

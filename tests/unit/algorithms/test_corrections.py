@@ -21,7 +21,9 @@ from algorithms.corrections import (
     CORRECTION_MODES,
     behaviour_importance_weights,
     behaviour_weight_metrics,
+    mismatch_metrics,
 )
+from algorithms.metrics import accumulate_metrics, merge_metric_sums
 
 RATIOS = [[2.0, 100.0, 1.5, 0.25], [4.0, 1.0, 50.0, 50.0]]
 MASK = torch.tensor([[1.0, 0.0, 1.0, 1.0], [1.0, 1.0, 0.0, 0.0]])
@@ -164,3 +166,28 @@ def test_a_micro_batch_without_real_tokens_gives_zero_metrics() -> None:
         "behaviour_weight_clamped_fraction": 0.0,
         "masked_fraction": 0.0,
     }
+
+
+def test_the_mismatch_is_measured_on_fresh_tokens_only() -> None:
+    behaviour = torch.tensor([[-1.0, -2.0, -0.5], [-0.1, -3.0, 0.0]])
+    train = torch.tensor([[-1.2, -2.0, -0.5 - math.log(6.0)], [-0.1, -1.0, 0.0]])
+    fresh = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])  # row 1: a stale token and padding
+    metrics = mismatch_metrics(behaviour, train, fresh)
+    gaps = [0.2, 0.0, math.log(6.0), 0.0]  # behaviour - train on the fresh tokens
+    assert metrics["rollout_gap_count"] == 4.0
+    assert metrics["rollout_gap_mean"] == pytest.approx(sum(gaps) / 4)
+    assert metrics["rollout_gap_abs_max"] == pytest.approx(math.log(6.0))
+    # ratio pi_train / pi_rollout: e^-0.2 = 0.82, 1, 1/6 = 0.17 (outside [0.5, 5]), 1
+    assert metrics["rollout_gap_icepop_fraction"] == pytest.approx(0.25)
+    nothing = mismatch_metrics(behaviour, train, torch.zeros_like(fresh))
+    assert nothing == {"rollout_gap_mean": 0.0, "rollout_gap_abs_max": 0.0, "rollout_gap_icepop_fraction": 0.0,
+                       "rollout_gap_count": 0.0}
+
+
+def test_micro_batch_metrics_combine_by_kind() -> None:
+    sums: dict[str, float] = {}
+    accumulate_metrics(sums, {"loss": 2.0, "behaviour_ratio_max": 1.5, "rollout_gap_count": 3.0}, 0.25)
+    accumulate_metrics(sums, {"loss": 4.0, "behaviour_ratio_max": 1.2, "rollout_gap_count": 5.0}, 0.75)
+    assert sums == {"loss": pytest.approx(3.5), "behaviour_ratio_max": 1.5, "rollout_gap_count": 8.0}
+    merged = merge_metric_sums([{"loss": 1.0, "ratio_max": 2.0}, {"loss": 0.5, "ratio_max": 3.0}])
+    assert merged == {"loss": 1.5, "ratio_max": 3.0}  # ranks' sums were weighted already
