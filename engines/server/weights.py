@@ -31,13 +31,11 @@ import http.client
 import json
 import os
 import queue
-import secrets
 import shutil
 import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from multiprocessing.shared_memory import SharedMemory
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -54,7 +52,7 @@ from engines.torch_sync import TorchWeightSync
 from param_sync import BucketHeader, BufferHalf, LoadReport, Manifest
 from param_sync.bucket import dtype_from_name
 from param_sync.buffer import host_half
-from param_sync.transports.shm import SEGMENT_PREFIX
+from param_sync.transports.shm import segment_half
 
 __all__ = ["DiskTransport", "HttpDistTransport", "HttpShmTransport", "ServerWeightSync", "free_port", "post_json"]
 
@@ -135,16 +133,7 @@ class HttpShmTransport:
         self._timeout_s = timeout_s
 
     def allocate(self, nbytes: int) -> BufferHalf:
-        name = f"{SEGMENT_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
-        segment = SharedMemory(name=name, create=True, size=max(nbytes, 1))
-        array = np.ndarray((nbytes,), dtype=np.uint8, buffer=segment.buf)
-        array.fill(0)  # fault every page in now: a first write into fresh shared memory is slow
-
-        def release() -> None:
-            segment.unlink()
-            segment.close()
-
-        return BufferHalf(array, segment=segment.name, release=release)
+        return segment_half(nbytes)
 
     def send(self, manifest: Manifest, half: BufferHalf, buckets: Iterable[BucketHeader]) -> list[LoadReport]:
         if half.segment is None:

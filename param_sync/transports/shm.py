@@ -42,9 +42,26 @@ from param_sync.buffer import BufferHalf
 from param_sync.receiver import LoadReport, Receiver
 from param_sync.transports.messages import Abort, Ack, Begin, Close, End
 
-__all__ = ["SEGMENT_PREFIX", "ShmTransport", "serve_shm"]
+__all__ = ["SEGMENT_PREFIX", "ShmTransport", "segment_half", "serve_shm"]
 
 SEGMENT_PREFIX = "tandem-"
+
+
+def segment_half(nbytes: int) -> BufferHalf:
+    """A buffer half in a shared-memory segment of this process's own (unlinked when released),
+    which other processes on the host map by ``half.segment``."""
+    name = f"{SEGMENT_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
+    # A segment cannot be empty; the array shows only the bytes asked for.
+    segment = SharedMemory(name=name, create=True, size=max(nbytes, 1))
+    array = np.ndarray((nbytes,), dtype=np.uint8, buffer=segment.buf)
+    # Fault every page in now: a first write into fresh shared memory runs at ~1 GB/s.
+    array.fill(0)
+
+    def release() -> None:
+        segment.unlink()
+        segment.close()
+
+    return BufferHalf(array, segment=segment.name, release=release)
 _PAGE = mmap.PAGESIZE
 
 
@@ -63,18 +80,7 @@ class ShmTransport:
         self._versions = [-1] * len(self._conns)
 
     def allocate(self, nbytes: int) -> BufferHalf:
-        name = f"{SEGMENT_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
-        # A segment cannot be empty; the array shows only the bytes asked for.
-        segment = SharedMemory(name=name, create=True, size=max(nbytes, 1))
-        array = np.ndarray((nbytes,), dtype=np.uint8, buffer=segment.buf)
-        # Fault every page in now: a first write into fresh shared memory runs at ~1 GB/s.
-        array.fill(0)
-
-        def release() -> None:
-            segment.unlink()
-            segment.close()
-
-        return BufferHalf(array, segment=segment.name, release=release)
+        return segment_half(nbytes)
 
     def send(self, manifest: Manifest, half: BufferHalf, buckets: Iterable[BucketHeader]) -> list[LoadReport]:
         if half.segment is None:

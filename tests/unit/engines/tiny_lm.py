@@ -25,9 +25,10 @@ def decode(ids: list[int]) -> str:
     return "".join(VOCAB[i] for i in ids if i > EOS_ID)
 
 
-def save_tiny_model(path: Path, *, seed: int, eos: bool, tied: bool = False) -> Path:
+def save_tiny_model(path: Path, *, seed: int, eos: bool, tied: bool = False, heads: int = 4) -> Path:
     """Write model + tokenizer to ``path``; ``eos`` decides whether generation stops on <eos>,
-    ``tied`` whether the LM head shares the embedding matrix."""
+    ``tied`` whether the LM head shares the embedding matrix, ``heads`` the attention heads (of
+    64 / heads dimensions each; vLLM's CPU attention needs 32 or more)."""
     hf_logging.disable_progress_bar()
     tokenizer = Tokenizer(models.WordLevel({t: i for i, t in enumerate(VOCAB)}, unk_token="<pad>"))
     tokenizer.pre_tokenizer = pre_tokenizers.Split("", "isolated")
@@ -38,8 +39,8 @@ def save_tiny_model(path: Path, *, seed: int, eos: bool, tied: bool = False) -> 
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=heads,
+        num_key_value_heads=heads // 2,
         max_position_embeddings=512,
         tie_word_embeddings=tied,
         # Wide init: peaked next-token distributions, so log-prob comparisons are discriminative.

@@ -1,0 +1,109 @@
+"""Weight sync into vLLM in process, with proof that each sync landed.
+
+What it owns: :class:`VllmShmTransport`, the :class:`~param_sync.Transport` from the trainer's
+dual buffer (halves in shared memory) into a :class:`~engines.vllm.engine.VllmRolloutEngine`,
+and :class:`WeightProbe`, which after every load scores a fixed short sequence in vLLM and,
+with the transformers model, under the very weights that were sent (the buffer half, read in
+place), and compares the two.
+
+Why the probe: the transfer's checksums prove the bytes reached vLLM's worker, not that vLLM
+computes with them. vLLM's CPU backend keeps packed copies of weights that an in-place
+reload can leave stale (the tied LM head, ``engines.vllm.worker``); a load into the wrong
+parameter, a dtype cast gone wrong or a kept KV cache would all pass the checksums. Log-probs
+of one sequence catch each of these in milliseconds.
+
+Invariants: a sync whose probe gap exceeds the bound fails (``LoadReport.ok`` False, the error
+naming the gap), so the flow's degradation policy applies as for any failed sync; the gap of
+every sync is recorded (``WeightProbe.last_gap``) for the run's metrics.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from engines.vllm.engine import VllmRolloutEngine
+from param_sync import BucketHeader, BufferHalf, LoadReport, Manifest
+from param_sync.bucket import dtype_from_name
+from param_sync.transports.shm import segment_half
+
+__all__ = ["VllmShmTransport", "WeightProbe", "probe_sequence"]
+
+
+def probe_sequence(vocab_size: int, length: int = 32, seed: int = 0) -> list[int]:
+    """A fixed sequence of token ids, the same on every call: random ids make every row of the
+    output projection matter, so a stale or misplaced weight shows in their log-probs."""
+    return np.random.default_rng(seed).integers(0, vocab_size, size=length).tolist()
+
+
+class WeightProbe:
+    """Scores :func:`probe_sequence` under the weights of a transfer (the reference) and in vLLM.
+
+    The reference is the transformers model of the checkpoint, run with the transfer's tensors
+    in place of its own (``torch.func.functional_call`` over views of the buffer half: no copy).
+    It holds one copy of the model in host memory for its buffers and structure.
+    """
+
+    def __init__(self, model_path: str | Path, *, max_gap: float, dtype: torch.dtype = torch.float32) -> None:
+        from transformers import AutoModelForCausalLM
+
+        if max_gap <= 0:
+            raise ValueError(f"max_gap must be > 0, got {max_gap}")
+        self.max_gap = max_gap
+        self._model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=dtype).eval().requires_grad_(False)
+        self.token_ids = probe_sequence(self._model.config.vocab_size)
+        self.last_gap: float | None = None
+
+    def reference(self, manifest: Manifest, stream: np.ndarray) -> list[float]:
+        """Log-probs of ``token_ids[1:]`` (temperature 1) under the weights laid out in ``stream``."""
+        flat = torch.from_numpy(stream)
+        weights = {
+            meta.name: flat[meta.offset : meta.offset + meta.nbytes].view(dtype_from_name(meta.dtype)).view(meta.shape)
+            for meta in manifest.tensors
+        }
+        ids = torch.tensor([self.token_ids])
+        with torch.no_grad():
+            logits = torch.func.functional_call(self._model, weights, args=(ids,), strict=False).logits[0, :-1]
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        return logprobs.gather(1, ids[0, 1:, None]).squeeze(1).tolist()
+
+    def check(self, engine: VllmRolloutEngine, manifest: Manifest, stream: np.ndarray) -> str:
+        """Score the probe in both; record the largest gap; an error message if it is above the bound, else ''."""
+        served = engine.score(self.token_ids)
+        expected = self.reference(manifest, stream)
+        gap = max(abs(a - b) for a, b in zip(served, expected, strict=True))
+        self.last_gap = gap
+        if gap > self.max_gap:
+            return (
+                f"weight probe: vLLM's log-probs at version {manifest.version} differ from the trainer's weights' "
+                f"by up to {gap:.3g} nats (bound {self.max_gap:g}): the update did not land as sent"
+            )
+        return ""
+
+
+class VllmShmTransport:
+    """The trainer's buffer halves, in shared memory, loaded by the engine's workers in place."""
+
+    def __init__(self, engine: VllmRolloutEngine, probe: WeightProbe) -> None:
+        self._engine = engine
+        self._probe = probe
+
+    def allocate(self, nbytes: int) -> BufferHalf:
+        return segment_half(nbytes)
+
+    def send(self, manifest: Manifest, half: BufferHalf, buckets: Iterable[BucketHeader]) -> list[LoadReport]:
+        if half.segment is None:
+            raise ValueError("the vLLM transport sends only halves it allocated")
+        headers: Sequence[BucketHeader] = list(buckets)  # the gather's walk has ended: every checksum is known
+        report = self._engine.load_from_shm(half.segment, manifest, headers)
+        if not report.ok:
+            return [report]
+        error = self._probe.check(self._engine, manifest, half.array)
+        return [dataclasses.replace(report, ok=False, error=error) if error else report]
+
+    def close(self) -> None:
+        """Nothing held between transfers: the workers unmap each segment when its load ends."""

