@@ -24,6 +24,13 @@ shipped agent (``tasks/arithmetic/openai_agent.py``) through the server's OpenAI
 the ``openai`` client, and writes ``benchmarks/results/e2e_server_agent.json`` (headline: the
 agent's rows): what an agent's HTTP round trips cost against the native server rows.
 
+``--rollout vllm`` runs every mode twice, with the embedded engine and with vLLM in process
+(``engines.rollout=vllm``, its CPU build, compiled as a user would run it), and writes
+``benchmarks/results/e2e_vllm.json``: the same keys as ``e2e.json`` plus, on the vLLM rows,
+``logprob_gap_max`` (the largest gap the sync probe measured over the run), ``sync_s`` (median
+seconds per weight update: pause, load, resume and probe) and ``sync_stall_s`` (median seconds
+generation stood still for it). The headline speedups are vLLM's.
+
 ``--backend ray`` runs every mode twice, in process and with the engines as Ray actors on a
 local cluster of this machine's cores (default placement: training on one half of the slots,
 generation on the other), adds the per-step overhead of Ray over the in-process run of the
@@ -39,7 +46,7 @@ never waited (samples / max(generation busy, training busy)) over sync's. The as
 give each phase one core where sync gives each all of them, so this, not ``ideal_speedup``
 (which uses the async run's own one-core times for both sides), is their ceiling over sync.
 
-    python benchmarks/e2e.py [--steps 60] [--repeat 3] [--backend local|ray] [--rollout embedded|server|agent]
+    python benchmarks/e2e.py [--steps 60] [--repeat 3] [--backend local|ray] [--rollout embedded|server|agent|vllm]
         [--proximal-recompute] [--config ...] [key=value ...]
 
 ``--repeat N`` measures every mode N times, each run against its own sync; the headline speedups
@@ -74,6 +81,7 @@ RESULTS = {
     "ray": Path(__file__).parent / "results" / "e2e_ray.json",
     "server": Path(__file__).parent / "results" / "e2e_server.json",
     "agent": Path(__file__).parent / "results" / "e2e_server_agent.json",
+    "vllm": Path(__file__).parent / "results" / "e2e_vllm.json",
 }
 MODES = {"sync": 0, "k1": 1, "k2": 2, "k4": 4}
 # Generation in a server process: one thread there, the trainer one thread here (2 cores).
@@ -102,11 +110,13 @@ def run_mode(config_path: str, k: int, steps: int, overrides: list[str]) -> tupl
 async def train(cfg: TandemConfig) -> FlowResult:
     """One run. Rollout servers are started and ready before the flow starts its clock: their
     start-up (a process, a model load) is a fixed cost of the run, not of its steps."""
-    if getattr(cfg.engines, "rollout", "embedded") == "embedded":
+    rollout = getattr(cfg.engines, "rollout", "embedded")
+    if rollout == "embedded":
         return await AsyncTrainingFlow(cfg).run()
-    components = build_components(cfg)
+    components = build_components(cfg)  # vLLM starts here (its engine core, compiled), before the clock
     try:
-        await components.workflow.engine.start()  # type: ignore[attr-defined]  # the router: waits for the servers
+        if rollout != "vllm":
+            await components.workflow.engine.start()  # type: ignore[attr-defined]  # the router: waits for the servers
         return await AsyncTrainingFlow(cfg, components=components).run()
     finally:
         await components.aclose()  # an agent's session exits in this loop
@@ -135,6 +145,21 @@ def row(mode: str, result: FlowResult, wall_s: float) -> dict[str, Any]:
         "ideal_speedup": (gen + train) / max(gen, train) if max(gen, train) > 0 else 1.0,
         "busiest_role_s": max(gen, train),
         "staleness_counts": result.staleness_counts,
+        **sync_columns(result),
+    }
+
+
+def sync_columns(result: FlowResult) -> dict[str, float]:
+    """For runs whose syncs are probed (vLLM): the largest probe gap, the median seconds per sync
+    and the median seconds generation stood still for one."""
+    probed = [s.metrics for s in result.syncs if "logprob_gap" in s.metrics]
+    if not probed:
+        return {}
+    return {
+        "logprob_gap_max": max(m["logprob_gap"] for m in probed),
+        "sync_s": statistics.median(m["total_s"] for m in probed),
+        "sync_stall_s": statistics.median(m["stall_s"] for m in probed),
+        "syncs": len(probed),
     }
 
 
@@ -142,7 +167,7 @@ def run_modes(args: argparse.Namespace, backend: str, rollout: str = "embedded")
     """One row per mode on ``backend`` with generation ``rollout``; ``sync`` is the faster of its thread budgets."""
     served = rollout in ("server", "agent")
     overrides = [*args.overrides, f"cluster.backend={backend}", *(SERVER if served else []),
-                 *(AGENT if rollout == "agent" else [])]
+                 *(AGENT if rollout == "agent" else []), *(["engines.rollout=vllm"] if rollout == "vllm" else [])]
     rows = []
     for mode in args.modes:
         if mode == "sync":
@@ -202,6 +227,8 @@ def measure_once(args: argparse.Namespace) -> list[dict[str, Any]]:
         rows += run_modes(args, "local", "server")
     if args.rollout == "agent":
         rows += run_modes(args, "local", "agent")
+    if args.rollout == "vllm":
+        rows += run_modes(args, "local", "vllm")
     if args.backend == "ray":
         import ray
 
@@ -224,9 +251,10 @@ def main() -> None:
     parser.add_argument("--config", default=str(Path(__file__).parent.parent / "configs" / "default.yaml"))
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     parser.add_argument("--backend", default="local", choices=["local", "ray"])
-    parser.add_argument("--rollout", default="embedded", choices=["embedded", "server", "agent"],
+    parser.add_argument("--rollout", default="embedded", choices=["embedded", "server", "agent", "vllm"],
                         help="server: every mode also with generation in a tandem serve process; "
-                             "agent: and again with the rollouts made by the shipped OpenAI-client agent")
+                             "agent: and again with the rollouts made by the shipped OpenAI-client agent; "
+                             "vllm: every mode also with vLLM in process")
     parser.add_argument("--proximal-recompute", action="store_true",
                         help="every mode also with pi_prox recomputed by the logp stage")
     parser.add_argument("--repeat", type=int, default=1, help="measure every mode this many times (spread between runs)")
@@ -245,18 +273,20 @@ def main() -> None:
 
     table = Table(title=f"End to end: default job, {args.steps} steps per mode, {os.cpu_count()} cores")
     for col in ("run", "backend", "rollout", "mode", "threads", "samples/s", "tokens/s", "s/step", "vs sync", "bound", "ideal",
-                "reward 1st 1/4", "reward at equal samples", "Ray overhead s/step"):
+                "reward 1st 1/4", "reward at equal samples", "Ray overhead s/step", "probe gap", "sync s (stall)"):
         table.add_column(col, justify="right")
     for r in rows:
         speedup = "—" if r["speedup_vs_sync"] is None else f"{r['speedup_vs_sync']:.2f}x"
         bound = "—" if r["bound_vs_sync"] is None else f"{r['bound_vs_sync']:.2f}x"
         overhead = f"{r['ray_overhead_s_per_step']:+.3f}" if "ray_overhead_s_per_step" in r else ""
+        probe = f"{r['logprob_gap_max']:.1e}" if "logprob_gap_max" in r else ""
+        sync_s = f"{r['sync_s']:.3f} ({r['sync_stall_s']:.3f})" if "sync_s" in r else ""
         table.add_row(str(r["run"]), r["backend"], r["rollout"], r["mode"], r["threads"], f"{r['samples_per_s']:.1f}",
                       f"{r['tokens_per_s']:.0f}", f"{r['step_time_s']:.2f}", speedup, bound, f"{r['ideal_speedup']:.2f}x",
-                      f"{r['reward_first_quarter']:.3f}", f"{r['reward_at_equal_samples']:.3f}", overhead)
+                      f"{r['reward_first_quarter']:.3f}", f"{r['reward_at_equal_samples']:.3f}", overhead, probe, sync_s)
         for other in r.get("other_sync_schedules", []):
             table.add_row("", "", "", "(sync)", other["threads"], f"{other['samples_per_s']:.1f}", "", "", "", "", "", "",
-                          f"{other['reward_at_equal_samples']:.3f}", "")
+                          f"{other['reward_at_equal_samples']:.3f}", "", "", "")
     Console(width=220).print(table)
     results = RESULTS[args.backend if args.rollout == "embedded" else args.rollout]
     results.parent.mkdir(parents=True, exist_ok=True)

@@ -496,16 +496,18 @@ class TorchEnginesConfig(_Model):
     """The embedded engines: a transformers rollout engine and a torch trainer, in threads."""
 
     type: Literal["torch"] = "torch"
-    rollout: Literal["embedded", "vllm", "server", "sglang"] = "embedded"
+    rollout: Literal["embedded", "vllm", "server", "vllm_server", "sglang"] = "embedded"
     """Where generation runs: ``embedded`` (the rollout engine in a thread of this process),
     ``vllm`` (vLLM's ``AsyncLLM`` driven from this process; its engine core is a process of its
-    own, weights reach it through shared memory), ``server`` (``tandem serve`` processes: the same
-    engine behind sglang's HTTP API), ``sglang`` (``python -m sglang.launch_server`` processes, one
-    per GPU, needs sglang installed), either started by the run or the ones at ``servers.urls``."""
+    own, weights reach it through shared memory); or in server processes behind tandem's router,
+    started by the run or the ones at ``servers.urls``: ``server`` (``tandem serve``: the embedded
+    engine behind sglang's HTTP API), ``vllm_server`` (vLLM's own server, same host: weights
+    through shared memory) or ``sglang`` (``python -m sglang.launch_server``, one per GPU, needs
+    sglang installed)."""
     servers: RolloutServersConfig = RolloutServersConfig()
     """The rollout servers, for ``rollout: server | sglang``."""
     vllm: VllmConfig = VllmConfig()
-    """vLLM's settings, for ``rollout: vllm``."""
+    """vLLM's settings, for ``rollout: vllm | vllm_server``."""
     model_path: Path | None = None
     """A local Hugging Face checkpoint folder (model + tokenizer); relative paths are taken from
     the working directory, then from the project root. None: the model the task ships."""
@@ -955,19 +957,33 @@ class TandemConfig(_Model):
         engines = self.engines
         if not isinstance(engines, TorchEnginesConfig):
             return
-        if engines.rollout != "vllm" and engines.vllm != VllmConfig():
-            raise ValueError(f"engines.vllm applies to engines.rollout=vllm, not {engines.rollout}")
+        uses_vllm = engines.rollout in ("vllm", "vllm_server")
+        if not uses_vllm and engines.vllm != VllmConfig():
+            raise ValueError(f"engines.vllm applies to engines.rollout=vllm or vllm_server, not {engines.rollout}")
+        if uses_vllm and engines.resume_policy == "keep_cache":
+            raise ValueError(
+                f"engines.resume_policy=keep_cache with engines.rollout={engines.rollout}: vLLM's tokens after an update "
+                "on a kept KV cache match neither policy (measured 2 to 5.7 nats off); vLLM recomputes the prefix (recompute)"
+            )
         if engines.rollout in ("embedded", "vllm"):
             if engines.servers != RolloutServersConfig():
-                raise ValueError(f"engines.servers applies to engines.rollout=server or sglang, not {engines.rollout}")
-            if engines.rollout == "vllm" and engines.resume_policy == "keep_cache":
                 raise ValueError(
-                    "engines.resume_policy=keep_cache with engines.rollout=vllm: vLLM's tokens after an update on a kept "
-                    "KV cache match neither policy (measured 2 to 5.7 nats off); vLLM recomputes the prefix (recompute)"
+                    f"engines.servers applies to engines.rollout=server, vllm_server or sglang, not {engines.rollout}"
                 )
             if engines.rollout == "vllm" and self.cluster.backend != "local":
                 raise ValueError("engines.rollout=vllm drives vLLM from this process: needs cluster.backend=local")
             return
+        if engines.rollout == "vllm_server" and engines.servers.agent is not None:
+            raise ValueError(
+                "engines.servers.agent needs engines.rollout=server: the agent's calls are recorded (token ids, log-probs, "
+                "versions) by tandem serve's OpenAI endpoint; vLLM's has no per-conversation record"
+            )
+        if engines.rollout == "vllm_server" and engines.servers.weight_transport != "shm":
+            raise ValueError(
+                f"engines.servers.weight_transport={engines.servers.weight_transport} with engines.rollout=vllm_server: "
+                "weights reach vLLM servers through shared memory (same host); across hosts vLLM's own NCCL weight "
+                "transfer needs CUDA and is not wired"
+            )
         if self.cluster.backend != "local":
             raise ValueError(f"engines.rollout={engines.rollout} runs its own server processes: needs cluster.backend=local")
         if engines.rollout == "sglang" and engines.servers.agent is not None:

@@ -203,6 +203,10 @@ def build_torch_components(config: TandemConfig, setup: TaskSetup) -> Components
     hf_logging.disable_progress_bar()  # per-load bars would interleave with the run's own display
     spec = config.engines
     assert isinstance(spec, TorchEnginesConfig)
+    if spec.rollout == "vllm_server":
+        from engines.vllm.components import build_vllm_server_components
+
+        return build_vllm_server_components(config, setup)
     if spec.rollout not in ("embedded", "vllm"):  # generation in server processes: the same bundle around a router
         from engines.server.components import build_server_components
 

@@ -19,22 +19,42 @@ import asyncio
 import shutil
 import tempfile
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+import aiohttp
 
 from core.components import Components, TaskSetup
 from core.config import TandemConfig, TorchEnginesConfig
 from core.protocols import RolloutWorkflow
 from engines.server.agent import OpenAIAgentWorkflow, load_agent
+from engines.server.client import ServerClient
 from engines.server.launcher import ServerFleet, ServerSpec, sglang_command, tandem_command
 from engines.server.router import ServerRolloutEngine
 from engines.server.weights import DiskTransport, HttpDistTransport, HttpShmTransport, ServerWeightSync, free_port
 from engines.torch_sync import TorchWeightSync, TrainerSyncSource
 from param_sync import ParamSyncer, Transport
 
-__all__ = ["build_server_components", "server_fleet"]
+__all__ = ["ServerKind", "build_server_components", "server_fleet"]
 
 
-def server_fleet(config: TandemConfig, model_path: str, threads: int, run_dir: Path) -> ServerFleet:
+@dataclass(frozen=True, slots=True)
+class ServerKind:
+    """What differs between kinds of rollout server, so one builder serves them all: how one is
+    started (its command and environment), how the router talks to it, how weights reach it,
+    and whether it updates weights under running requests (its tokens carry versions)."""
+
+    command: Callable[[str, str, int, str, int], tuple[list[str], dict[str, str]]]  # (model, host, port, name, threads)
+    live_updates: bool
+    client: Callable[[str, aiohttp.ClientSession], ServerClient] | None = None  # None: sglang's API
+    transport: Callable[[ServerRolloutEngine], Transport] | None = None  # None: engines.servers.weight_transport's
+    wrap_sync: Callable[[TorchWeightSync], Any] = lambda sync: sync  # the flow's sync around the trainer's
+
+
+def server_fleet(
+    config: TandemConfig, model_path: str, threads: int, run_dir: Path, kind: ServerKind | None = None
+) -> ServerFleet:
     """The server processes ``config`` asks the run to start (not yet started)."""
     spec = config.engines
     assert isinstance(spec, TorchEnginesConfig)
@@ -43,7 +63,9 @@ def server_fleet(config: TandemConfig, model_path: str, threads: int, run_dir: P
     for i in range(servers.servers):
         port = servers.base_port + i if servers.base_port is not None else free_port(servers.host)
         name = f"{spec.rollout}{i}"
-        if spec.rollout == "sglang":
+        if kind is not None:
+            command, env = kind.command(model_path, servers.host, port, name, threads)
+        elif spec.rollout == "sglang":
             command = sglang_command(model_path, servers.host, port, dtype=spec.dtype)
             env = {"CUDA_VISIBLE_DEVICES": str(i)} if spec.device.startswith("cuda") else {}
         else:
@@ -57,8 +79,9 @@ def server_fleet(config: TandemConfig, model_path: str, threads: int, run_dir: P
     return ServerFleet(specs, startup_timeout_s=servers.startup_timeout_s, max_restarts=servers.max_restarts)
 
 
-def build_server_components(config: TandemConfig, setup: TaskSetup) -> Components:
-    """The text workload's bundle with generation in servers (see the module docstring)."""
+def build_server_components(config: TandemConfig, setup: TaskSetup, kind: ServerKind | None = None) -> Components:
+    """The text workload's bundle with generation in servers (see the module docstring); ``kind``
+    None: tandem serve or sglang, as ``engines.rollout`` says."""
     from engines.text_workflow import SingleTurnWorkflow
     from engines.tokenizer import load_tokenizer
     from engines.torch_components import (
@@ -89,18 +112,21 @@ def build_server_components(config: TandemConfig, setup: TaskSetup) -> Component
     fleet: ServerFleet | None = None
     try:  # a failure anywhere below stops every server already spawned and removes the scratch folder
         if not servers.urls:
-            fleet = server_fleet(config, model_path, gen_threads, config.run.output_dir / config.run.name / "servers")
+            fleet = server_fleet(config, model_path, gen_threads, config.run.output_dir / config.run.name / "servers", kind)
             fleet.launch()
         router = ServerRolloutEngine(
             servers.urls or fleet.urls,  # type: ignore[union-attr]
             decode=decode,
-            live_updates=spec.rollout == "server", request_timeout_s=servers.request_timeout_s,
-            health_interval_s=servers.health_interval_s, wait_for_server_s=servers.startup_timeout_s,
-            ready=fleet.ready if fleet is not None else None,
+            live_updates=kind.live_updates if kind is not None else spec.rollout == "server",
+            request_timeout_s=servers.request_timeout_s, health_interval_s=servers.health_interval_s,
+            wait_for_server_s=servers.startup_timeout_s, ready=fleet.ready if fleet is not None else None,
+            client=kind.client if kind is not None else None,
         )
         engine = train_engine(config, train_threads)
         transport: Transport
-        if servers.weight_transport == "shm":
+        if kind is not None and kind.transport is not None:
+            transport = kind.transport(router)
+        elif servers.weight_transport == "shm":
             transport = HttpShmTransport(router.receivers, timeout_s=servers.request_timeout_s)
         elif servers.weight_transport == "dist":
             backend = "nccl" if spec.device.startswith("cuda") else "gloo"
@@ -114,7 +140,7 @@ def build_server_components(config: TandemConfig, setup: TaskSetup) -> Component
         source = TrainerSyncSource(engine)
         ps = config.param_sync
         inner = TorchWeightSync(source, ParamSyncer(source, transport, produce_bucket_mb=ps.produce_bucket_mb))
-        weight_sync = ServerWeightSync(inner, router)
+        weight_sync = ServerWeightSync(kind.wrap_sync(inner) if kind is not None else inner, router)
         router.resync = weight_sync.reload
         if fleet is not None:
             fleet.on_restart = router.restarted

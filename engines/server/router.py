@@ -46,7 +46,7 @@ from core.protocols import GenerationRequest
 from core.records import FinishReason, ResumePolicy, Trajectory, token_trajectory
 from engines.server.client import ServerClient, ServerError, ServerGoneError
 
-__all__ = ["Endpoint", "NoServerError", "ServerRolloutEngine"]
+__all__ = ["Endpoint", "NoServerError", "ServerRolloutEngine", "served_version"]
 
 log = structlog.get_logger("tandem.router")
 
@@ -73,7 +73,7 @@ def segment_seed(request: GenerationRequest, done: int) -> int:
     return int(np.random.SeedSequence([request.seed, request.prompt_id, request.index, done]).generate_state(1)[0])
 
 
-def _weight_version(text: str | None) -> int:
+def served_version(text: str | None) -> int:
     """The step a server says it serves; a server that was never updated (sglang says
     ``default``) serves the model file's weights: version 0."""
     try:
@@ -95,6 +95,7 @@ class ServerRolloutEngine:
         health_interval_s: float,
         wait_for_server_s: float,
         ready: Callable[[], Awaitable[None]] | None = None,
+        client: Callable[[str, aiohttp.ClientSession], ServerClient] | None = None,
     ) -> None:
         if not urls:
             raise ValueError("a server rollout engine needs at least one server")
@@ -105,6 +106,8 @@ class ServerRolloutEngine:
         self._health_interval_s = health_interval_s
         self._wait_s = wait_for_server_s
         self._ready = ready
+        # A server's client: sglang's API by default (tandem serve, sglang); vLLM's has its own.
+        self._client = client or (lambda url, session: ServerClient(url, session, request_timeout_s=request_timeout_s))
         self.resync: Callable[[], Awaitable[None]] | None = None  # set by the builder
         self.endpoints: list[Endpoint] = []
         self._version = 0
@@ -131,8 +134,7 @@ class ServerRolloutEngine:
             await self._ready()
         # One pool for every server; no per-host cap (a server batches every request it has).
         self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
-        self.endpoints = [Endpoint(url, ServerClient(url, self._session, request_timeout_s=self._request_timeout_s))
-                          for url in self.urls]
+        self.endpoints = [Endpoint(url, self._client(url, self._session)) for url in self.urls]
         self._in_service.set()
         self._watcher = asyncio.ensure_future(self._watch())
 
@@ -267,7 +269,7 @@ class ServerRolloutEngine:
             }
             answer = await endpoint.client.generate(body)
             meta = answer.meta_info
-            if _weight_version(meta.weight_version) < version:
+            if served_version(meta.weight_version) < version:
                 # Older weights than every server was given: it restarted since. Its tokens are
                 # not the policy's; the request goes elsewhere (or here again, once resynced).
                 raise ServerGoneError(f"{endpoint.url} serves version {meta.weight_version}, older than {version}: restarted")
@@ -335,7 +337,7 @@ class ServerRolloutEngine:
             info = await endpoint.client.model_info()
         except (ServerGoneError, ServerError):
             return False, -1
-        return True, _weight_version(info.weight_version)
+        return True, served_version(info.weight_version)
 
     async def _bring_back(self, endpoint: Endpoint, served: int) -> None:
         endpoint.resyncing = True

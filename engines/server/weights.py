@@ -37,24 +37,31 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 import numpy as np
 import torch
 
-from core.protocols import SyncReport
+from core.protocols import SyncReport, WeightSync
 from engines.server.dist_group import broadcast, destroy_weight_group, init_weight_group
 from engines.server.receive import CHECKSUMS_KEY, LAYOUT_KEY
 from engines.server.router import ServerRolloutEngine
 from engines.server.schemas import header_to_json, manifest_to_json
-from engines.torch_sync import TorchWeightSync
 from param_sync import BucketHeader, BufferHalf, LoadReport, Manifest
 from param_sync.bucket import dtype_from_name
 from param_sync.buffer import host_half
 from param_sync.transports.shm import segment_half
 
-__all__ = ["DiskTransport", "HttpDistTransport", "HttpShmTransport", "ServerWeightSync", "free_port", "post_json"]
+__all__ = [
+    "ClosableWeightSync",
+    "DiskTransport",
+    "HttpDistTransport",
+    "HttpShmTransport",
+    "ServerWeightSync",
+    "free_port",
+    "post_json",
+]
 
 Targets = Callable[[], list[str]]  # the URLs of the servers a transfer goes to, asked per transfer
 
@@ -329,10 +336,16 @@ class DiskTransport:
 # --------------------------------------------------------------------------- WeightSync
 
 
+class ClosableWeightSync(WeightSync, Protocol):
+    """A weight sync that holds threads or buffers until closed (``TorchWeightSync`` and its wrappers)."""
+
+    def close(self) -> None: ...
+
+
 class ServerWeightSync:
     """``core.protocols.WeightSync`` into rollout servers (see the module docstring)."""
 
-    def __init__(self, inner: TorchWeightSync, router: ServerRolloutEngine) -> None:
+    def __init__(self, inner: ClosableWeightSync, router: ServerRolloutEngine) -> None:
         self._inner = inner
         self._router = router
 

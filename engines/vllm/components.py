@@ -15,14 +15,17 @@ from __future__ import annotations
 
 import os
 
+from core.components import Components, TaskSetup
 from core.config import TandemConfig, TorchEnginesConfig
 from core.protocols import SyncReport
+from engines.server.router import ServerRolloutEngine
 from engines.torch_sync import TorchWeightSync, TrainerSyncSource
-from engines.vllm.engine import VllmRolloutEngine, VllmSettings
+from engines.vllm.engine import VllmRolloutEngine, VllmSettings, eos_token_ids
+from engines.vllm.server import VllmHttpEndpoint, VllmServerClient, vllm_command, vllm_server_env
 from engines.vllm.sync import VllmShmTransport, WeightProbe
 from param_sync import ParamSyncer
 
-__all__ = ["VllmWeightSync", "generation_cpus", "vllm_rollout"]
+__all__ = ["VllmWeightSync", "build_vllm_server_components", "generation_cpus", "vllm_rollout"]
 
 
 def generation_cpus(threads: int) -> list[int]:
@@ -63,8 +66,44 @@ def vllm_rollout(config: TandemConfig, trainer: object, threads: int) -> tuple[V
     try:
         probe = WeightProbe(model_path, max_gap=spec.vllm.max_gap(spec.dtype), dtype=TORCH_DTYPES[spec.dtype])
         source = TrainerSyncSource(trainer)  # type: ignore[arg-type]
-        syncer = ParamSyncer(source, VllmShmTransport(engine, probe), produce_bucket_mb=config.param_sync.produce_bucket_mb)
+        transport = VllmShmTransport(lambda: [engine], probe)
+        syncer = ParamSyncer(source, transport, produce_bucket_mb=config.param_sync.produce_bucket_mb)
         return engine, VllmWeightSync(TorchWeightSync(source, syncer), probe)
     except BaseException:
         engine.close()
         raise
+
+
+def build_vllm_server_components(config: TandemConfig, setup: TaskSetup) -> Components:
+    """The text workload with generation in vLLM servers behind the router (``engines.rollout:
+    vllm_server``): the server bundle, with vLLM's command, client and shared-memory weight sync."""
+    from transformers import AutoConfig
+
+    from engines.server.components import ServerKind, build_server_components
+    from engines.torch_components import TORCH_DTYPES, resolve_model_path
+
+    spec = config.engines
+    assert isinstance(spec, TorchEnginesConfig)
+    servers, model_path = spec.servers, resolve_model_path(spec.model_path)
+    max_model_len = int(AutoConfig.from_pretrained(str(model_path)).max_position_embeddings)
+    stop_ids = sorted(eos_token_ids(model_path))
+    probe = WeightProbe(model_path, max_gap=spec.vllm.max_gap(spec.dtype), dtype=TORCH_DTYPES[spec.dtype])
+
+    def command(path: str, host: str, port: int, name: str, threads: int) -> tuple[list[str], dict[str, str]]:
+        argv = vllm_command(path, host, port, dtype=spec.dtype, max_batch_size=spec.max_batch_size,
+                            max_model_len=max_model_len, enforce_eager=spec.vllm.enforce_eager, device=spec.device)
+        return argv, vllm_server_env(VllmSettings(kv_cache_gib=spec.vllm.kv_cache_gib, cpus=generation_cpus(threads)))
+
+    def transport(router: ServerRolloutEngine) -> VllmShmTransport:
+        timeout_s = spec.vllm.update_timeout_s
+        return VllmShmTransport(lambda: [VllmHttpEndpoint(url, timeout_s=timeout_s) for url in router.receivers()], probe)
+
+    kind = ServerKind(
+        command=command,
+        live_updates=True,  # vLLM keeps requests across an update; each token's version comes back
+        client=lambda url, session: VllmServerClient(url, session, request_timeout_s=servers.request_timeout_s,
+                                                     stop_token_ids=stop_ids),
+        transport=transport,
+        wrap_sync=lambda inner: VllmWeightSync(inner, probe),
+    )
+    return build_server_components(config, setup, kind)

@@ -20,18 +20,18 @@ every sync is recorded (``WeightProbe.last_gap``) for the run's metrics.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import torch
 
-from engines.vllm.engine import VllmRolloutEngine
 from param_sync import BucketHeader, BufferHalf, LoadReport, Manifest
 from param_sync.bucket import dtype_from_name
 from param_sync.transports.shm import segment_half
 
-__all__ = ["VllmShmTransport", "WeightProbe", "probe_sequence"]
+__all__ = ["VllmEndpoint", "VllmShmTransport", "WeightProbe", "probe_sequence"]
 
 
 def probe_sequence(vocab_size: int, length: int = 32, seed: int = 0) -> list[int]:
@@ -71,25 +71,35 @@ class WeightProbe:
         logprobs = torch.log_softmax(logits.float(), dim=-1)
         return logprobs.gather(1, ids[0, 1:, None]).squeeze(1).tolist()
 
-    def check(self, engine: VllmRolloutEngine, manifest: Manifest, stream: np.ndarray) -> str:
-        """Score the probe in both; record the largest gap; an error message if it is above the bound, else ''."""
-        served = engine.score(self.token_ids)
-        expected = self.reference(manifest, stream)
+    def check(self, endpoint: VllmEndpoint, expected: Sequence[float], version: int) -> tuple[float, str]:
+        """Score the probe in ``endpoint``; its largest gap to ``expected`` (:meth:`reference`), and
+        an error message if that is above the bound, else ''."""
+        served = endpoint.score(self.token_ids)
         gap = max(abs(a - b) for a, b in zip(served, expected, strict=True))
-        self.last_gap = gap
         if gap > self.max_gap:
-            return (
-                f"weight probe: vLLM's log-probs at version {manifest.version} differ from the trainer's weights' "
+            return gap, (
+                f"weight probe: vLLM's log-probs at version {version} differ from the trainer's weights' "
                 f"by up to {gap:.3g} nats (bound {self.max_gap:g}): the update did not land as sent"
             )
-        return ""
+        return gap, ""
+
+
+class VllmEndpoint(Protocol):
+    """A vLLM that loads transfers from shared memory and scores a sequence: the engine in this
+    process (:class:`~engines.vllm.engine.VllmRolloutEngine`) or a server
+    (:class:`~engines.vllm.server.VllmHttpEndpoint`). Both calls block."""
+
+    def load_from_shm(self, segment: str, manifest: Manifest, headers: Sequence[BucketHeader]) -> LoadReport: ...
+
+    def score(self, token_ids: Sequence[int]) -> list[float]: ...
 
 
 class VllmShmTransport:
-    """The trainer's buffer halves, in shared memory, loaded by the engine's workers in place."""
+    """The trainer's buffer halves, in shared memory, loaded in place by each vLLM's workers,
+    then probed; ``endpoints`` is asked per transfer (the servers in service may change)."""
 
-    def __init__(self, engine: VllmRolloutEngine, probe: WeightProbe) -> None:
-        self._engine = engine
+    def __init__(self, endpoints: Callable[[], Sequence[VllmEndpoint]], probe: WeightProbe) -> None:
+        self._endpoints = endpoints
         self._probe = probe
 
     def allocate(self, nbytes: int) -> BufferHalf:
@@ -99,11 +109,21 @@ class VllmShmTransport:
         if half.segment is None:
             raise ValueError("the vLLM transport sends only halves it allocated")
         headers: Sequence[BucketHeader] = list(buckets)  # the gather's walk has ended: every checksum is known
-        report = self._engine.load_from_shm(half.segment, manifest, headers)
-        if not report.ok:
-            return [report]
-        error = self._probe.check(self._engine, manifest, half.array)
-        return [dataclasses.replace(report, ok=False, error=error) if error else report]
+        expected: list[float] | None = None
+        gaps: list[float] = []
+        reports = []
+        # One after the other: each endpoint stands still only for its own load (~50 ms here).
+        for endpoint in self._endpoints():
+            report = endpoint.load_from_shm(half.segment, manifest, headers)
+            if report.ok:
+                if expected is None:
+                    expected = self._probe.reference(manifest, half.array)
+                gap, error = self._probe.check(endpoint, expected, manifest.version)
+                gaps.append(gap)
+                report = dataclasses.replace(report, ok=False, error=error) if error else report
+            reports.append(report)
+        self._probe.last_gap = max(gaps) if gaps else None
+        return reports
 
     def close(self) -> None:
         """Nothing held between transfers: the workers unmap each segment when its load ends."""

@@ -6,6 +6,9 @@ the mismatch corrections act on vLLM's real numbers. No vLLM process outlives a 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -103,3 +106,32 @@ def test_vllm_refuses_a_kept_kv_cache_before_anything_starts() -> None:
         vllm_config(engines={"resume_policy": "keep_cache"})
     with pytest.raises(ConfigError, match="engines.vllm applies to engines.rollout=vllm"):
         vllm_config(engines={"rollout": "embedded"})
+
+
+def test_two_vllm_servers_behind_the_router_train_with_one_killed_in_between(tmp_path: Path) -> None:
+    config = vllm_config(
+        run={"max_steps": 4, "output_dir": str(tmp_path)},
+        engines={"rollout": "vllm_server", "servers": {"count": 2, "max_restarts": 1, "health_interval_s": 0.5,
+                                                       "startup_timeout_s": 400}},
+        roles={"param_update": {"max_retries": 3, "retry_backoff_s": 0.5}},
+    )  # fmt: skip
+    components = build_components(config)
+    fleet = components.close_callbacks[2].__self__  # the fleet's stop: its pids, to check they are gone
+    killed: list[int] = []
+
+    def on_step(record: Any) -> None:
+        if record.step == 1 and not killed:
+            killed.append(fleet.pids[0])
+            os.kill(fleet.pids[0], signal.SIGKILL)
+
+    try:
+        result = asyncio.run(AsyncTrainingFlow(config, components=components, on_step=on_step).run())
+        restarts = [p.restarts for p in fleet._procs]
+    finally:
+        components.close()
+    assert killed and restarts == [1, 0]
+    assert len(result.steps) == 4 and result.ledger["balanced"] and result.ledger["dropped"] == 0
+    assert result.ledger["trained"] == 4 * config.train.prompts_per_step  # every prompt trained exactly once
+    assert all(int(s) <= config.staleness.k for s in result.staleness_counts)
+    assert result.syncs and all(s.metrics["logprob_gap"] < 1e-4 for s in result.syncs)
+    assert not engine_processes(), "no vLLM process outlives the run"

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from weights_for_tests import TensorSource
 
 from core.protocols import GenerationRequest, SamplingParams
 from core.records import ResumePolicy, Trajectory
@@ -22,7 +23,6 @@ from engines.torch_train import TorchLogProbEngine, TorchTrainEngine
 from engines.vllm.engine import VllmRolloutEngine, token_versions
 from engines.vllm.sync import VllmShmTransport, WeightProbe
 from param_sync import ParamSyncer, SyncError
-from weights_for_tests import TensorSource
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -46,10 +46,12 @@ async def sample(engine: VllmRolloutEngine, batch: list[GenerationRequest]) -> l
     return sorted([t async for t in engine.generate(batch)], key=lambda t: (t.prompt_id, t.index))
 
 
-async def push(engine: VllmRolloutEngine, probe: WeightProbe, weights: Mapping[str, torch.Tensor], version: int) -> dict[str, float]:
+async def push(
+    engine: VllmRolloutEngine, probe: WeightProbe, weights: Mapping[str, torch.Tensor], version: int
+) -> dict[str, float]:
     """Load ``weights`` into vLLM as ``version`` through the real path (dual buffer in shared
     memory, checksums, the workers' reload, the probe)."""
-    syncer = ParamSyncer(TensorSource(weights), VllmShmTransport(engine, probe), produce_bucket_mb=0.01)
+    syncer = ParamSyncer(TensorSource(weights), VllmShmTransport(lambda: [engine], probe), produce_bucket_mb=0.01)
     try:
         return await syncer.sync(version)
     finally:
