@@ -107,7 +107,7 @@ class FSDPRank:
     ) -> tuple[dict[str, float], int]:
         return accumulate_share(
             samples, self._forward, objective, totals,
-            max_tokens=self._spec.max_tokens_per_micro_batch, device=self._device, passes=passes,
+            max_tokens=self._spec.max_tokens_per_micro_batch, device=self._device, version=self.version, passes=passes,
         )  # fmt: skip
 
     def step(self) -> float:

@@ -235,8 +235,11 @@ def score_share(
     return logprobs, entropies
 
 
-def loss_inputs(samples: Sequence[Trajectory], batch: MicroBatch, token_logp: torch.Tensor, entropy: torch.Tensor) -> LossInputs:
-    """The objective's view of one micro-batch, as ``TorchTrainEngine`` builds it."""
+def loss_inputs(
+    samples: Sequence[Trajectory], batch: MicroBatch, token_logp: torch.Tensor, entropy: torch.Tensor, version: int
+) -> LossInputs:
+    """The objective's view of one micro-batch, as ``TorchTrainEngine`` builds it; ``version`` is
+    the rank's (the weights ``token_logp`` come from)."""
     rows = [samples[i] for i in batch.indices]
     trained = batch.loss_mask
     return LossInputs(
@@ -247,6 +250,7 @@ def loss_inputs(samples: Sequence[Trajectory], batch: MicroBatch, token_logp: to
         prox_logprobs=_padded([s.prox_logprobs for s in rows], trained) if rows[0].prox_logprobs is not None else None,
         ref_logprobs=_padded([s.ref_logprobs for s in rows], trained) if rows[0].ref_logprobs is not None else None,
         entropy=entropy,
+        fresh=(batch.versions == version).to(trained.dtype) * trained,
     )
 
 
@@ -258,6 +262,7 @@ def accumulate_share(
     *,
     max_tokens: int,
     device: torch.device,
+    version: int,
     passes: int = 0,
 ) -> tuple[dict[str, float], int]:
     """Backward each micro-batch's loss weighted by its share of the step (``totals``); returns the
@@ -276,7 +281,7 @@ def accumulate_share(
             (token_logp.sum() * 0.0).backward()
             continue
         try:
-            loss, metrics = objective(loss_inputs(samples, batch, token_logp, entropy))
+            loss, metrics = objective(loss_inputs(samples, batch, token_logp, entropy, version))
         except Exception as exc:
             failure = exc
             (token_logp.sum() * 0.0).backward()

@@ -97,7 +97,8 @@ class MegatronRank:
         self, samples: list[Trajectory], objective: LossObjective, totals: StepTotals, passes: int
     ) -> tuple[dict[str, float], int]:
         return accumulate_share(
-            samples, self._forward, objective, totals, max_tokens=self._spec.max_tokens_per_micro_batch, device=self._device
+            samples, self._forward, objective, totals, max_tokens=self._spec.max_tokens_per_micro_batch,
+            device=self._device, version=self.version,
         )
 
     def step(self) -> float:

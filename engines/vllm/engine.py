@@ -184,6 +184,7 @@ class VllmRolloutEngine(ClosesOnAThread):
     async def _start(self) -> None:
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        self._loads = asyncio.Lock()  # of the engine's loop: weight updates one at a time
         with vllm_environment(self._settings.environment()):
             self._llm = AsyncLLM.from_engine_args(self._args)
         await self._llm.update_weight_version(str(self._version))
@@ -233,8 +234,22 @@ class VllmRolloutEngine(ClosesOnAThread):
     def load_from_shm(self, segment: str, manifest: Manifest, headers: Sequence[BucketHeader]) -> LoadReport:
         """Load the transfer in shared-memory segment ``segment`` (blocking; not from the engine's
         loop): pause with the caches cleared, load in every worker, set the version, resume.
-        ``stall_s`` is the time generation stood still."""
-        return self._call(self._load(segment, manifest, list(headers)), self._update_timeout_s)
+        ``stall_s`` is the time generation stood still.
+
+        An update still running after ``update_timeout_s`` raises ``TimeoutError`` (the sync fails,
+        and the flow's policy for failed syncs applies) but is not abandoned half-way: it ends in
+        the engine as a whole, generation stays paused until then, and the version moves only if
+        the load succeeded, so no token ever carries a version its weights are not. Loads run one
+        at a time, so a later sync waits for it (and the buffer half it reads is not rewritten).
+        """
+        future = asyncio.run_coroutine_threadsafe(self._load(segment, manifest, list(headers)), self._loop)
+        try:
+            return future.result(self._update_timeout_s)
+        except TimeoutError:
+            raise TimeoutError(
+                f"vLLM engine ({self.model_path}): the update to version {manifest.version} is still running after "
+                f"{self._update_timeout_s:g} s; generation stays paused until it ends"
+            ) from None
 
     def close(self) -> None:
         """Shut vLLM down (its engine core process ends) and stop the loop thread; idempotent."""
@@ -294,11 +309,17 @@ class VllmRolloutEngine(ClosesOnAThread):
         return [entry[token].logprob for token, entry in zip(token_ids[1:], final.prompt_logprobs[1:], strict=True)]
 
     async def _load(self, segment: str, manifest: Manifest, headers: list[BucketHeader]) -> LoadReport:
+        async with self._loads:
+            return await self._load_now(segment, manifest, headers)
+
+    async def _load_now(self, segment: str, manifest: Manifest, headers: list[BucketHeader]) -> LoadReport:
         t0 = time.perf_counter()
         await self._llm.pause_generation(mode="keep", clear_cache=True)
         try:
             layout = {"segment": segment, "manifest": manifest_to_json(manifest), "headers": [header_to_json(h) for h in headers]}
-            answers = await self._llm.collective_rpc("tandem_load_shm", timeout=self._update_timeout_s, kwargs=layout)
+            # No timeout inside vLLM: a worker answering after its RPC timed out desyncs the engine
+            # core's queue and kills it (seen here). The caller's wait is bounded instead.
+            answers = await self._llm.collective_rpc("tandem_load_shm", kwargs=layout)
             reports = [LoadReport(**answer) for answer in answers]
             failed = [r for r in reports if not r.ok]
             if not failed:

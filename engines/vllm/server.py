@@ -148,20 +148,28 @@ class VllmHttpEndpoint:
             self._post("/pause?mode=keep&clear_cache=true", {})
         except (OSError, ServerError) as exc:
             return LoadReport(self.url, -1, False, f"server gone: {exc}")
+        resume = True
         try:
             kwargs = {"segment": segment, "manifest": manifest_to_json(manifest), "headers": [header_to_json(h) for h in headers]}
-            answer = self._post("/collective_rpc", {"method": "tandem_load_shm", "kwargs": kwargs, "timeout": self._timeout_s})
+            # No timeout inside vLLM (a late answer kills its engine core): the HTTP call is bounded.
+            answer = self._post("/collective_rpc", {"method": "tandem_load_shm", "kwargs": kwargs})
             reports = [LoadReport(**r) for r in answer["results"]]
             failed = [r for r in reports if not r.ok]
             if not failed:
                 self._post("/update_weight_version", {"new_version": str(manifest.version)})
+        except TimeoutError:
+            # The load may still land, under the old version's label: the server stays paused (it
+            # samples nothing) until a later sync loads, labels and resumes it.
+            resume = False
+            return LoadReport(self.url, -1, False, f"no answer within {self._timeout_s:g} s; left paused")
         except (OSError, ServerError, KeyError, TypeError) as exc:
             return LoadReport(self.url, -1, False, f"{type(exc).__name__}: {exc}")
         finally:
-            try:
-                self._post("/resume", {})
-            except (OSError, ServerError):
-                pass  # gone: its report says so, and the router takes it out of service
+            if resume:
+                try:
+                    self._post("/resume", {})
+                except (OSError, ServerError):
+                    pass  # gone: its report says so, and the router takes it out of service
         stall_s = time.perf_counter() - t0
         if failed:
             return LoadReport(self.url, -1, False, "; ".join(r.error for r in failed), stall_s=stall_s)

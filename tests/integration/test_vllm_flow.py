@@ -42,9 +42,15 @@ def vllm_config(**sections: Any) -> TandemConfig:
 
 
 def engine_processes() -> set[int]:
-    """vLLM's engine-core and worker processes below this one."""
-    return {p.pid for p in psutil.Process().children(recursive=True) if "VLLM" in " ".join(p.cmdline()) or
-            p.name().startswith("VLLM")}
+    """vLLM's live engine-core and worker processes below this one (a zombie has exited)."""
+    found = set()
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE and ("VLLM" in " ".join(p.cmdline()) or p.name().startswith("VLLM")):
+                found.add(p.pid)
+        except psutil.NoSuchProcess:  # exited while we looked
+            continue
+    return found
 
 
 def run(config: TandemConfig) -> Any:

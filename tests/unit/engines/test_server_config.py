@@ -35,7 +35,7 @@ def test_embedded_is_the_default_and_servers_default_to_one_on_loopback() -> Non
 @pytest.mark.parametrize(
     ("engines", "named"),
     [
-        ({"servers": {"count": 2}}, "engines.servers applies to engines.rollout=server or sglang"),
+        ({"servers": {"count": 2}}, "engines.servers applies to engines.rollout=server, vllm_server or sglang"),
         ({"rollout": "sglang"}, "engines.servers.weight_transport=shm"),
         ({"rollout": "server", "servers": {"urls": ["h:1"]}}, "engines.servers.urls"),
         ({"rollout": "server", "servers": {"urls": ["http://h:1"], "count": 2}}, "engines.servers.count=2"),
@@ -43,7 +43,7 @@ def test_embedded_is_the_default_and_servers_default_to_one_on_loopback() -> Non
         ({"rollout": "server", "servers": {"count": 3, "base_port": 65534}}, "engines.servers.base_port"),
         ({"rollout": "server", "servers": {"max_restarts": 1}}, "roles.param_update.max_retries"),
         ({"rollout": "server", "servers": {"weight_transport": "tcp"}}, "weight_transport"),
-        ({"rollout": "vllm"}, "rollout"),
+        ({"rollout": "tgi"}, "rollout"),  # not a rollout engine tandem drives
         ({"rollout": "server", "servers": {"request_timeout_s": 0}}, "request_timeout_s"),
         ({"rollout": "server", "servers": {"agent": "tasks.arithmetic.openai_agent"}}, "engines.servers.agent must be"),
         ({"rollout": "sglang", "servers": {"weight_transport": "dist", "agent": "a:b"}}, "engines.servers.agent needs"),

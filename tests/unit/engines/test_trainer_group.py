@@ -110,7 +110,7 @@ def test_filler_passes_run_to_the_count_and_add_nothing(model: torch.nn.Module) 
         model.zero_grad(set_to_none=True)
         forward = CountingForward(model)
         sums, micro_batches = accumulate_share(
-            samples, forward, pg_objective, totals, max_tokens=32, device=CPU, passes=passes
+            samples, forward, pg_objective, totals, max_tokens=32, device=CPU, version=0, passes=passes
         )
         assert forward.calls == max(passes, planned) and micro_batches == planned
         scored = score_share(samples, forward, max_tokens=32, device=CPU, passes=passes)
@@ -135,7 +135,7 @@ def test_an_objective_that_raises_still_runs_every_pass_then_raises(model: torch
     second_call_raises.mean_over = "tokens"  # type: ignore[attr-defined]
     forward = CountingForward(model)
     with pytest.raises(ValueError, match="loss exploded"):
-        accumulate_share(samples, forward, second_call_raises, totals, max_tokens=32, device=CPU, passes=9)  # type: ignore[arg-type]
+        accumulate_share(samples, forward, second_call_raises, totals, max_tokens=32, device=CPU, version=0, passes=9)  # type: ignore[arg-type]
     assert forward.calls == 9 and calls == 2  # the other ranks' collectives are met; no loss after the failure
 
 

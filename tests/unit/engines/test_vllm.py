@@ -8,6 +8,7 @@ of its own at a version above the engine's, so tests do not depend on each other
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from types import SimpleNamespace
@@ -163,3 +164,41 @@ async def test_a_transfer_naming_other_weights_is_refused_and_the_old_weights_ke
         samples = await sample(vllm_engine, requests(6))
         for t, expected in zip(samples, await trainer.logprobs(samples), strict=True):
             assert t.versions == [version] * 6 and max_gap(t.behaviour_logprobs, expected) < 1e-4
+
+
+def test_a_model_vllm_cannot_run_fails_the_start_and_leaves_no_process(tmp_path: Path) -> None:
+    import psutil
+    from tiny_lm import save_tiny_model
+
+    unsupported = save_tiny_model(tmp_path, seed=0, eos=False, heads=4)  # heads of 16 dimensions
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    with pytest.raises(RuntimeError, match=f"vLLM cannot run {unsupported}"):
+        VllmRolloutEngine(unsupported, enforce_eager=True)
+    left = [p for p in psutil.Process().children(recursive=True) if p.pid not in before and p.is_running()
+            and p.status() != psutil.STATUS_ZOMBIE]
+    assert not left, [p.cmdline() for p in left]
+
+
+async def test_an_update_that_hangs_fails_the_sync_in_bounded_time_and_lands_whole_or_not_at_all(
+    vllm_engine: VllmRolloutEngine, vllm_model_dir: Path, probe: WeightProbe, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with TorchTrainEngine(str(vllm_model_dir), lr=5e-2, temperature=1.0) as trainer:
+        version = vllm_engine.version + 1
+        await push(vllm_engine, probe, snapshot(trainer), version)
+        await train_on(trainer, await sample(vllm_engine, requests(8)))
+        monkeypatch.setattr(vllm_engine, "_update_timeout_s", 2.0)  # the run's engines.vllm.update_timeout_s
+        vllm_engine.call_workers("tandem_test_hang", seconds=6.0)
+        # The run's syncer outlives a failed sync (its buffer halves with it): so does this one.
+        syncer = ParamSyncer(TensorSource(snapshot(trainer)), VllmShmTransport(lambda: [vllm_engine], probe))
+        try:
+            started = time.monotonic()
+            with pytest.raises(SyncError, match=r"the update to version \d+ is still running after 2 s"):
+                await syncer.sync(version + 1)
+            assert time.monotonic() - started < 5.0 and vllm_engine.version == version
+            # Served after the hung load ended: it landed whole, and only then did the version move.
+            samples = await sample(vllm_engine, requests(6))
+            assert vllm_engine.version == version + 1
+        finally:
+            await syncer.aclose()
+        for t, expected in zip(samples, await trainer.logprobs(samples), strict=True):
+            assert t.versions == [version + 1] * 6 and max_gap(t.behaviour_logprobs, expected) < 1e-4

@@ -6,17 +6,28 @@ session's ``sys.path``; hence a module of its own, importable as ``vllm_for_test
 
 from __future__ import annotations
 
+import time
+
 from engines.vllm.worker import TandemWorkerExtension
 
 EXTENSION = "vllm_for_tests.SwitchableExtension"
 
 
 class SwitchableExtension(TandemWorkerExtension):
-    """:class:`TandemWorkerExtension`, plus ``tandem_test_stale_head(True)``: reloads then leave a
-    tied output projection packed from the old embedding, as vLLM's CPU backend does unfixed."""
+    """:class:`TandemWorkerExtension`, plus two switches: ``tandem_test_stale_head(True)``: reloads
+    then leave a tied output projection packed from the old embedding, as vLLM's CPU backend does
+    unfixed; ``tandem_test_hang(s)``: the next load first sleeps ``s`` seconds (a hung update)."""
 
     def tandem_test_stale_head(self, stale: bool) -> None:
         self._tandem_stale_head = stale
+
+    def tandem_test_hang(self, seconds: float) -> None:
+        self._tandem_hang_s = seconds
+
+    def tandem_load_shm(self, segment: str, manifest: dict, headers: list[dict]) -> dict:  # type: ignore[type-arg]
+        hang, self._tandem_hang_s = getattr(self, "_tandem_hang_s", 0.0), 0.0
+        time.sleep(hang)
+        return super().tandem_load_shm(segment, manifest, headers)
 
     def refresh_output_projection(self) -> None:
         if not getattr(self, "_tandem_stale_head", False):
