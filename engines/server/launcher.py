@@ -164,6 +164,7 @@ class ServerFleet:
 
         def wait() -> None:
             popen.wait()
+            _kill_group(popen.pid)  # a server's own children (vLLM's engine core, its workers) go with it
             post_to_loop(loop, self._exited, proc, popen)  # a closed loop: the run is over
 
         threading.Thread(target=wait, name=f"watch-{proc.spec.name}", daemon=True).start()
@@ -199,11 +200,17 @@ class ServerFleet:
             try:
                 popen.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(popen.pid, signal.SIGKILL)
+                _kill_group(popen.pid)
                 popen.wait()
+            _kill_group(popen.pid)  # children the server left behind when it exited
         if self._ready is not None and not self._ready.done():
             self._ready.cancel()
+
+
+def _kill_group(pgid: int) -> None:
+    """SIGKILL what is left of a server's process group (each server leads a session of its own)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
 
 
 def _tail(path: Path, lines: int = 30) -> str:

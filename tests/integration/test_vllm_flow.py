@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -42,15 +43,28 @@ def vllm_config(**sections: Any) -> TandemConfig:
 
 
 def engine_processes() -> set[int]:
-    """vLLM's live engine-core and worker processes below this one (a zombie has exited)."""
+    """Live vLLM processes on this machine, servers and engine cores alike (an orphan is no longer
+    below this process; a zombie has exited)."""
     found = set()
-    for p in psutil.Process().children(recursive=True):
+    for p in psutil.process_iter():
         try:
-            if p.status() != psutil.STATUS_ZOMBIE and ("VLLM" in " ".join(p.cmdline()) or p.name().startswith("VLLM")):
+            command = " ".join(p.cmdline())
+            if p.status() != psutil.STATUS_ZOMBIE and ("vllm.entrypoints" in command or p.name().startswith("VLLM")):
                 found.add(p.pid)
         except psutil.NoSuchProcess:  # exited while we looked
             continue
     return found
+
+
+def mapped(path: str) -> bool:
+    """Whether any live process maps ``path``."""
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            if path in maps.read_text():
+                return True
+        except OSError:  # exited while we looked, or not ours to read
+            continue
+    return False
 
 
 def run(config: TandemConfig) -> Any:
@@ -121,6 +135,7 @@ def test_two_vllm_servers_behind_the_router_train_with_one_killed_in_between(tmp
                                                        "startup_timeout_s": 400}},
         roles={"param_update": {"max_retries": 3, "retry_backoff_s": 0.5}},
     )  # fmt: skip
+    shm_before = set(os.listdir("/dev/shm"))
     components = build_components(config)
     fleet = components.close_callbacks[2].__self__  # the fleet's stop: its pids, to check they are gone
     killed: list[int] = []
@@ -135,6 +150,14 @@ def test_two_vllm_servers_behind_the_router_train_with_one_killed_in_between(tmp
         restarts = [p.restarts for p in fleet._procs]
     finally:
         components.close()
+        # A server killed -9 cannot remove its engine's message queues (~400 MB of /dev/shm): once its
+        # processes are gone, remove what this test's servers left that no process maps any more.
+        deadline = time.monotonic() + 30
+        while engine_processes() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        for name in set(os.listdir("/dev/shm")) - shm_before:
+            if name.startswith("psm_") and not mapped(f"/dev/shm/{name}"):
+                Path("/dev/shm", name).unlink(missing_ok=True)
     assert killed and restarts == [1, 0]
     assert len(result.steps) == 4 and result.ledger["balanced"] and result.ledger["dropped"] == 0
     assert result.ledger["trained"] == 4 * config.train.prompts_per_step  # every prompt trained exactly once
