@@ -45,7 +45,7 @@ from core.protocols import GenerationRequest
 from core.records import FinishReason, ResumePolicy, Trajectory, token_trajectory
 from core.threadsafe import post_to_loop
 from engines.hf_rollout import validate_request
-from engines.server.router import segment_seed
+from engines.server.router import segment_seed, served_version
 from engines.server.schemas import header_to_json, manifest_to_json
 from engines.threads import ClosesOnAThread
 from param_sync import BucketHeader, LoadReport, Manifest
@@ -70,14 +70,15 @@ def eos_token_ids(model_path: Path) -> frozenset[int]:
     return frozenset([] if eos is None else [eos] if isinstance(eos, int) else eos)
 
 
-def token_versions(spans: Sequence[Any] | None, num_tokens: int, serving: int) -> list[int]:
-    """Each output token's policy version from vLLM's ``weight_versions`` spans (``version``,
-    ``start``, ``end``: tokens ``[start, end)``); without spans every token is ``serving``'s."""
+def token_versions(spans: Sequence[tuple[str, int, int]] | None, num_tokens: int, serving: int) -> list[int]:
+    """Each output token's policy version from vLLM's ``weight_versions`` spans, as ``(version,
+    start, end)``: tokens ``[start, end)``. A version vLLM was never told (``"default"``) is 0,
+    the model file's weights; without spans every token is ``serving``'s."""
     if not spans:
         return [serving] * num_tokens
     versions: list[int] = []
-    for span in spans:
-        versions += [int(span.version)] * (span.end - span.start)
+    for version, start, end in spans:
+        versions += [served_version(version)] * (end - start)
     if len(versions) != num_tokens:
         raise ValueError(f"vLLM's weight-version spans cover {len(versions)} of {num_tokens} tokens")
     return versions
@@ -294,7 +295,8 @@ class VllmRolloutEngine(ClosesOnAThread):
             raise RuntimeError(f"vLLM request {rid} ended with {out.finish_reason!r}")
         ids = list(out.token_ids)
         logprobs = [entry[token].logprob for token, entry in zip(ids, out.logprobs or [], strict=True)]
-        versions = token_versions(out.weight_versions, len(ids), self._version)
+        spans = [(span.version, span.start, span.end) for span in out.weight_versions or []]
+        versions = token_versions(spans, len(ids), self._version)
         return token_trajectory(
             request.prompt_id, request.index, list(request.prompt_ids), ids, logprobs, versions,
             FinishReason.STOP if out.finish_reason == "stop" else FinishReason.LENGTH, text=out.text,

@@ -31,10 +31,9 @@ from typing import Any
 import aiohttp
 
 from engines.server.client import ServerClient, ServerError
-from engines.server.router import served_version
 from engines.server.schemas import GenerateResponse, ModelInfo, header_to_json, manifest_to_json
 from engines.server.weights import post_json
-from engines.vllm.engine import WORKER_EXTENSION, VllmSettings
+from engines.vllm.engine import WORKER_EXTENSION, VllmSettings, token_versions
 from param_sync import BucketHeader, LoadReport, Manifest
 
 __all__ = ["VllmHttpEndpoint", "VllmServerClient", "vllm_command", "vllm_server_env"]
@@ -59,15 +58,6 @@ def vllm_command(model_path: str, host: str, port: int, *, dtype: str, max_batch
 def vllm_server_env(settings: VllmSettings) -> dict[str, str]:
     """The server's environment: the engine's (KV cache, cores) and the RL routes."""
     return {**settings.environment(), "VLLM_SERVER_DEV_MODE": "1"}
-
-
-def _spans_to_versions(spans: list[dict[str, Any]] | None, num_tokens: int, serving: int) -> list[int]:
-    if not spans:
-        return [serving] * num_tokens
-    versions: list[int] = []
-    for span in spans:
-        versions += [served_version(span["version"])] * (int(span["end"]) - int(span["start"]))
-    return versions
 
 
 class VllmServerClient(ServerClient):
@@ -98,7 +88,7 @@ class VllmServerClient(ServerClient):
         if len(content) != len(ids):
             raise ServerError(self.url, 200, f"{len(ids)} tokens but {len(content)} log-probs")
         spans = choice.get("weight_versions")
-        versions = _spans_to_versions(spans, len(ids), 0)
+        versions = token_versions([(sp["version"], int(sp["start"]), int(sp["end"])) for sp in spans or []], len(ids), 0)
         reason = choice.get("finish_reason") or "abort"
         return GenerateResponse.model_validate({
             "text": "", "output_ids": ids,

@@ -11,7 +11,6 @@ import asyncio
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -31,9 +30,10 @@ PROMPTS = [[3, 4, 12], [5, 6, 7, 8, 13], [9, 2, 14, 15]]
 
 
 def test_token_versions_expand_vllms_spans_token_by_token() -> None:
-    spans = [SimpleNamespace(version="3", start=0, end=2), SimpleNamespace(version="4", start=2, end=5)]
+    spans = [("3", 0, 2), ("4", 2, 5)]
     assert token_versions(spans, 5, serving=9) == [3, 3, 4, 4, 4]
     assert token_versions(None, 3, serving=7) == [7, 7, 7]
+    assert token_versions([("default", 0, 2)], 2, serving=7) == [0, 0]  # a server never updated: the file's weights
     with pytest.raises(ValueError, match="cover 5 of 6 tokens"):
         token_versions(spans, 6, serving=4)
 
