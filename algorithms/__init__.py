@@ -11,7 +11,7 @@ imported by name where it is used: :mod:`algorithms.losses` (policy losses, aggr
 contract between engines and losses).
 """
 
-from algorithms.advantages import (
+from tandem.algorithms.advantages import (
     ADVANTAGE_ESTIMATORS,
     AdvantageEstimator,
     RewardGroup,
@@ -20,7 +20,7 @@ from algorithms.advantages import (
     reinforce_advantages,
     rloo_advantages,
 )
-from algorithms.objective import PROXIMAL_SOURCES, LossMeanOver, PolicyObjective, ProximalSource, ValueObjective
+from tandem.algorithms.objective import PROXIMAL_SOURCES, LossMeanOver, PolicyObjective, ProximalSource, ValueObjective
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from algorithms.losses import aggregate_loss
+from tandem.algorithms.losses import aggregate_loss
 
 __all__ = ["ValueInputs", "clipped_value_loss", "gae_advantages", "outcome_token_rewards", "whiten"]
 

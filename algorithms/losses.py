@@ -60,15 +60,15 @@ from typing import Literal, Protocol, get_args
 
 import torch
 
-from algorithms.batch import LossInputs
-from algorithms.corrections import (
+from tandem.algorithms.batch import LossInputs
+from tandem.algorithms.corrections import (
     CORRECTION_MODES,
     CorrectionMode,
     behaviour_importance_weights,
     behaviour_weight_metrics,
     mismatch_metrics,
 )
-from algorithms.kl import KL_LOSS_ESTIMATORS, MAX_LOG_RATIO, compute_kl, importance_weighted_kl, k3_clamped, kl_k3
+from tandem.algorithms.kl import KL_LOSS_ESTIMATORS, MAX_LOG_RATIO, compute_kl, importance_weighted_kl, k3_clamped, kl_k3
 
 __all__ = [
     "AGGREGATIONS",

@@ -25,9 +25,9 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
-    from algorithms.batch import LossInputs
-    from algorithms.gae import ValueInputs
-    from algorithms.losses import LossSettings
+    from tandem.algorithms.batch import LossInputs
+    from tandem.algorithms.gae import ValueInputs
+    from tandem.algorithms.losses import LossSettings
 
 __all__ = ["PROXIMAL_SOURCES", "LossMeanOver", "PolicyObjective", "ProximalSource", "ValueObjective"]
 
@@ -60,7 +60,7 @@ class PolicyObjective:
         return _mean_over(self.settings.aggregation)
 
     def __call__(self, inputs: LossInputs) -> tuple[Any, dict[str, float]]:
-        from algorithms.losses import compute_policy_loss  # torch, on first use only
+        from tandem.algorithms.losses import compute_policy_loss  # torch, on first use only
 
         if self.settings.decoupled and self.proximal == "current":
             inputs = replace(inputs, prox_logprobs=inputs.logprobs.detach())
@@ -82,7 +82,7 @@ class ValueObjective:
         return _mean_over(self.aggregation)
 
     def __call__(self, inputs: ValueInputs) -> tuple[Any, dict[str, float]]:
-        from algorithms.gae import clipped_value_loss  # torch, on first use only
+        from tandem.algorithms.gae import clipped_value_loss  # torch, on first use only
 
         return clipped_value_loss(
             inputs.values, inputs.old_values, inputs.returns, inputs.mask,

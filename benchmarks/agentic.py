@@ -22,8 +22,6 @@ its measured phases would give over running them back to back. Prints a table an
 
 from __future__ import annotations
 
-import _bootstrap  # noqa: F401  (first: imports resolve to the project)
-from _schedules import CORES, best_sync_row
 import argparse
 import asyncio
 import json
@@ -36,11 +34,12 @@ from pathlib import Path
 from typing import Any
 
 import structlog
+from _schedules import CORES, best_sync_row
 from rich.console import Console
 from rich.table import Table
 
-from pipeline import AsyncTrainingFlow, FlowResult, load_config
-from tasks.frozenlake import HELD_OUT_MAPS
+from tandem.pipeline import AsyncTrainingFlow, FlowResult, load_config
+from tandem.tasks.frozenlake import HELD_OUT_MAPS
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "configs" / "agentic_frozenlake.yaml"
@@ -67,9 +66,9 @@ def held_out_success(model_path: Path) -> float:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from engines.tokenizer import load_tokenizer
-    from tasks.frozenlake import HELD_OUT_SEEDS
-    from tasks.frozenlake.play import play, summarize
+    from tandem.engines.tokenizer import load_tokenizer
+    from tandem.tasks.frozenlake import HELD_OUT_SEEDS
+    from tandem.tasks.frozenlake.play import play, summarize
 
     torch.set_num_threads(CORES)
     model = AutoModelForCausalLM.from_pretrained(model_path)

@@ -55,8 +55,6 @@ are the medians, each run's in ``speedup_<mode>_vs_sync_runs``.
 
 from __future__ import annotations
 
-import _bootstrap  # noqa: F401  (first: imports resolve to the project)
-from _schedules import CORES, SYNC_BUDGETS, best_sync_row
 import argparse
 import asyncio
 import json
@@ -69,12 +67,13 @@ from pathlib import Path
 from typing import Any
 
 import structlog
+from _schedules import CORES, SYNC_BUDGETS, best_sync_row
 from rich.console import Console
 from rich.table import Table
 
-from core.config import TandemConfig
-from pipeline import AsyncTrainingFlow, FlowResult, load_config
-from pipeline.builders import build_components
+from tandem.core.config import TandemConfig
+from tandem.pipeline import AsyncTrainingFlow, FlowResult, load_config
+from tandem.pipeline.builders import build_components
 
 RESULTS = {
     "local": Path(__file__).parent / "results" / "e2e.json",

@@ -11,7 +11,6 @@ JSON with the spread. Prints a table and writes ``benchmarks/results/engine_over
 
 from __future__ import annotations
 
-import _bootstrap  # noqa: F401  (first: imports resolve to the project)
 import argparse
 import asyncio
 import json
@@ -26,7 +25,7 @@ import structlog
 from rich.console import Console
 from rich.table import Table
 
-from pipeline import AsyncTrainingFlow, validate_config
+from tandem.pipeline import AsyncTrainingFlow, validate_config
 
 RESULTS = Path(__file__).parent / "results" / "engine_overhead.json"
 

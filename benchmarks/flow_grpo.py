@@ -38,7 +38,6 @@ writes ``benchmarks/results/flow_grpo.json``.
 
 from __future__ import annotations
 
-import _bootstrap  # noqa: F401  (first: imports resolve to the project)
 import argparse
 import asyncio
 import json
@@ -56,14 +55,14 @@ import structlog
 from rich.console import Console
 from rich.table import Table
 
-from core.components import Components
-from core.config import TandemConfig
-from core.protocols import RolloutRequest
-from core.records import PromptGroup
-from pipeline import AsyncTrainingFlow, FlowResult, load_config
-from pipeline.builders import build_components
-from state_machines.generate import request_seed
-from state_machines.validate import VALIDATION_IDS
+from tandem.core.components import Components
+from tandem.core.config import TandemConfig
+from tandem.core.protocols import RolloutRequest
+from tandem.core.records import PromptGroup
+from tandem.pipeline import AsyncTrainingFlow, FlowResult, load_config
+from tandem.pipeline.builders import build_components
+from tandem.state_machines.generate import request_seed
+from tandem.state_machines.validate import VALIDATION_IDS
 
 RESULTS = Path(__file__).parent / "results" / "flow_grpo.json"
 CONFIG = "configs/flow_grpo_digits.yaml"

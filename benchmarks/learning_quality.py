@@ -35,7 +35,6 @@ Prints a table and writes ``benchmarks/results/learning_quality.json``.
 
 from __future__ import annotations
 
-import _bootstrap  # noqa: F401  (first: imports resolve to the project)
 import argparse
 import asyncio
 import json
@@ -53,13 +52,13 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from core.config import TandemConfig
-from core.protocols import RolloutRequest
-from core.records import PromptGroup
-from pipeline import AsyncTrainingFlow, load_config
-from pipeline.builders import build_components
-from state_machines.generate import request_seed
-from state_machines.validate import VALIDATION_IDS
+from tandem.core.config import TandemConfig
+from tandem.core.protocols import RolloutRequest
+from tandem.core.records import PromptGroup
+from tandem.pipeline import AsyncTrainingFlow, load_config
+from tandem.pipeline.builders import build_components
+from tandem.state_machines.generate import request_seed
+from tandem.state_machines.validate import VALIDATION_IDS
 
 RESULTS = Path(__file__).parent / "results" / "learning_quality.json"
 CONFIG = Path(__file__).parent.parent / "configs" / "default.yaml"

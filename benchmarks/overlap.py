@@ -22,7 +22,6 @@ that keeps the bound and trains every sample can beat max(ideal, (M + T_train) /
 
 from __future__ import annotations
 
-import _bootstrap  # noqa: F401  (first: imports resolve to the project)
 import argparse
 import json
 import logging
@@ -34,7 +33,7 @@ import structlog
 from rich.console import Console
 from rich.table import Table
 
-from pipeline import AsyncTrainingFlow, FlowResult, validate_config
+from tandem.pipeline import AsyncTrainingFlow, FlowResult, validate_config
 
 RESULTS = Path(__file__).parent / "results" / "overlap.json"
 

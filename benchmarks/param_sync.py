@@ -34,10 +34,7 @@ Writes ``benchmarks/results/param_sync.json``.
 
 from __future__ import annotations
 
-import _bootstrap  # noqa: F401  (first: the package, not this same-named script)
-
 import argparse
-from pathlib import Path
 import asyncio
 import json
 import multiprocessing as mp
@@ -48,6 +45,7 @@ import time
 import zlib
 from collections.abc import Awaitable, Callable
 from multiprocessing.connection import Connection
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -55,7 +53,7 @@ import torch.distributed as dist
 from rich.console import Console
 from rich.table import Table
 
-from param_sync import (
+from tandem.param_sync import (
     DistTransport,
     InProcessTransport,
     ModuleSource,
@@ -68,8 +66,8 @@ from param_sync import (
     serve_dist,
     serve_shm,
 )
-from param_sync.bucket import FUSE_NBYTES, MiB
-from param_sync.synthetic import SyntheticModel, memcpy_gb_per_s
+from tandem.param_sync.bucket import FUSE_NBYTES, MiB
+from tandem.param_sync.synthetic import SyntheticModel, memcpy_gb_per_s
 
 RESULTS = Path(__file__).resolve().parent / "results" / "param_sync.json"
 CTX = mp.get_context("spawn")
@@ -177,8 +175,8 @@ def server_rollout(ports: mp.SimpleQueue, size_mib: int, bucket_mb: float, rollo
     torch.set_num_threads(1)
     from aiohttp import web
 
-    from engines.server.app import report_body, shm_transfer
-    from engines.server.receive import WeightUpdates
+    from tandem.engines.server.app import report_body, shm_transfer
+    from tandem.engines.server.receive import WeightUpdates
 
     target = rollout_target(rollout, size_mib)
     updates = WeightUpdates(Receiver(target, consume_bucket_mb=bucket_mb, engine="server"), target.module, timeout_s=120)
@@ -200,7 +198,7 @@ def server_rollout(ports: mp.SimpleQueue, size_mib: int, bucket_mb: float, rollo
 
 
 def bench_server(size_mib: int, reps: int, bucket_mb: float, rollout: str) -> dict[str, float]:
-    from engines.server.weights import HttpShmTransport
+    from tandem.engines.server.weights import HttpShmTransport
 
     ports: mp.SimpleQueue = CTX.SimpleQueue()
     process = CTX.Process(target=server_rollout, args=(ports, size_mib, bucket_mb, rollout), daemon=True)

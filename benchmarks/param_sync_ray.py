@@ -15,8 +15,6 @@ same size measured in the same run. Writes ``benchmarks/results/param_sync_ray.j
 
 from __future__ import annotations
 
-import _bootstrap  # noqa: F401  (first: the package, not a same-named script)
-
 import argparse
 import asyncio
 import json
@@ -34,7 +32,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from param_sync import (
+from tandem.param_sync import (
     DistTransport,
     InProcessTransport,
     ModuleSource,
@@ -43,9 +41,9 @@ from param_sync import (
     Receiver,
     serve_dist,
 )
-from param_sync.bucket import MiB
-from param_sync.synthetic import SyntheticModel, memcpy_gb_per_s
-from param_sync.transports.object_store import (
+from tandem.param_sync.bucket import MiB
+from tandem.param_sync.synthetic import SyntheticModel, memcpy_gb_per_s
+from tandem.param_sync.transports.object_store import (
     ObjectStoreEndpoint,
     ObjectStoreTransport,
     RemoteReceiver,

@@ -26,7 +26,6 @@ reported apart and is not in tokens/s. Prints a table and writes
 
 from __future__ import annotations
 
-import _bootstrap  # noqa: F401  (first: imports resolve to the project)
 import argparse
 import asyncio
 import datetime
@@ -106,7 +105,7 @@ def random_llama(folder: Path, vocab_size: int = 32_000) -> Path:
 
 def build_model(name: str, root: Path) -> Path:
     """Model ``name`` saved under ``root``, checked to have no eos id."""
-    from engines.vllm.engine import eos_token_ids
+    from tandem.engines.vllm.engine import eos_token_ids
 
     path = arithmetic_model(root / name) if name == "1m" else random_llama(root / name)
     if eos_token_ids(path):
@@ -156,7 +155,7 @@ def hf_generate(path: Path, batch: int, new_tokens: int, threads: int) -> Iterat
 
 def _async_sampler(engine: Any, new_tokens: int) -> Sampler:
     """A ``Sampler`` over an engine with the ``RolloutEngine.generate`` API."""
-    from core.protocols import GenerationRequest, SamplingParams
+    from tandem.core.protocols import GenerationRequest, SamplingParams
 
     params = SamplingParams(max_new_tokens=new_tokens, temperature=1.0)
 
@@ -170,7 +169,7 @@ def _async_sampler(engine: Any, new_tokens: int) -> Sampler:
 @contextmanager
 def embedded(path: Path, batch: int, new_tokens: int, threads: int) -> Iterator[Sampler]:
     """tandem's embedded engine (``engines.hf_rollout``): its decode thread, ``threads`` cores."""
-    from engines.hf_rollout import HFRolloutEngine
+    from tandem.engines.hf_rollout import HFRolloutEngine
 
     engine = HFRolloutEngine(str(path), max_batch_size=batch, num_threads=threads)
     try:
@@ -183,8 +182,8 @@ def vllm_engine(eager: bool) -> Callable[[Path, int, int, int], Any]:
     @contextmanager
     def vllm(path: Path, batch: int, new_tokens: int, threads: int) -> Iterator[Sampler]:
         """vLLM in process (``engines.vllm``): its engine core process bound to ``threads`` cores."""
-        from engines.vllm.components import generation_cpus
-        from engines.vllm.engine import VllmRolloutEngine, VllmSettings
+        from tandem.engines.vllm.components import generation_cpus
+        from tandem.engines.vllm.engine import VllmRolloutEngine, VllmSettings
 
         engine = VllmRolloutEngine(
             path, max_batch_size=batch, enforce_eager=eager,

@@ -29,7 +29,6 @@ written to disk. Writes ``benchmarks/results/soak.json``.
 
 from __future__ import annotations
 
-import _bootstrap  # noqa: F401  (first: imports resolve to the project)
 import argparse
 import dataclasses
 import gc
@@ -48,9 +47,9 @@ import structlog
 from rich.console import Console
 from rich.table import Table
 
-from pipeline import AsyncTrainingFlow, validate_config
-from core.config import FAULT_ROLES
-from core.history import StepRecord
+from tandem.core.config import FAULT_ROLES
+from tandem.core.history import StepRecord
+from tandem.pipeline import AsyncTrainingFlow, validate_config
 
 RESULTS = Path(__file__).parent / "results" / "soak.json"
 

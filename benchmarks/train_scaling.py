@@ -31,8 +31,6 @@ Writes ``benchmarks/results/train_scaling.json``.
 
 from __future__ import annotations
 
-import _bootstrap  # noqa: F401  (first: the package, not a same-named module)
-
 import argparse
 import asyncio
 import json
@@ -49,11 +47,11 @@ from rich.console import Console
 from rich.table import Table
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from core.records import FinishReason, Trajectory, token_trajectory
-from engines.torch_sync import TrainerSyncSource
-from engines.torch_train import TorchTrainEngine
-from engines.trainer_group import RankSpec, TrainerGroup
-from param_sync import InProcessTransport, ModuleTarget, ParamSyncer, Receiver
+from tandem.core.records import FinishReason, Trajectory, token_trajectory
+from tandem.engines.torch_sync import TrainerSyncSource
+from tandem.engines.torch_train import TorchTrainEngine
+from tandem.engines.trainer_group import RankSpec, TrainerGroup
+from tandem.param_sync import InProcessTransport, ModuleTarget, ParamSyncer, Receiver
 
 RESULTS = Path(__file__).resolve().parent / "results" / "train_scaling.json"
 # engine name -> (rank engine, tensor-parallel size)

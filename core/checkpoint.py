@@ -41,10 +41,10 @@ from typing import Any
 
 import structlog
 
-from core.config import ConfigError, TandemConfig
-from core.ledger import DropRecord, Ledger
-from core.protocols import Checkpointable, LogProbEngine, TrainEngine
-from core.staleness import SyncHealth
+from tandem.core.config import ConfigError, TandemConfig
+from tandem.core.ledger import DropRecord, Ledger
+from tandem.core.protocols import Checkpointable, LogProbEngine, TrainEngine
+from tandem.core.staleness import SyncHealth
 
 __all__ = [
     "CHECKPOINTS_DIR",

@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from core.protocols import LogProbEngine, Reward, RolloutWorkflow, TrainEngine, ValueEngine, WeightSync
-from core.records import TaskItem
-from core.task import Task
+from tandem.core.protocols import LogProbEngine, Reward, RolloutWorkflow, TrainEngine, ValueEngine, WeightSync
+from tandem.core.records import TaskItem
+from tandem.core.task import Task
 
 __all__ = ["Components", "PromptSource", "TaskSetup"]
 

@@ -18,6 +18,8 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from tandem.core.paths import resolve_config
+
 __all__ = [
     "AgenticConfig",
     "AlgorithmConfig",
@@ -1131,8 +1133,9 @@ def validate_config(data: dict[str, Any], source: str = "<dict>") -> TandemConfi
 
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> TandemConfig:
-    """Load a YAML config file and apply dotted overrides; raise ``ConfigError`` on any problem."""
-    path = Path(path)
+    """Load a YAML config (a path, or the name of a shipped config such as ``"default"``) and apply
+    dotted overrides; raise ``ConfigError`` on any problem."""
+    path = resolve_config(path)
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     try:

@@ -15,7 +15,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from core.staleness import StalenessGate
+from tandem.core.staleness import StalenessGate
 
 __all__ = ["DropRecord", "Ledger", "LedgerError"]
 

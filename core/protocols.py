@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol, runtime_checkable
 
-from core.records import PromptGroup, TaskItem, Trajectory
+from tandem.core.records import PromptGroup, TaskItem, Trajectory
 
 __all__ = [
     "Agent",

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from core.config import ClusterConfig, ConfigError, TandemConfig
+from tandem.core.config import ClusterConfig, ConfigError, TandemConfig
 
 __all__ = ["ActorPlacement", "ResourcePlan", "colocated_groups", "plan_resources", "role_slots"]
 

@@ -46,7 +46,7 @@ import asyncio
 from collections import deque
 from dataclasses import dataclass
 
-from core.records import PromptGroup
+from tandem.core.records import PromptGroup
 
 __all__ = ["Admission", "StalenessGate", "StalenessViolation", "SyncHealth", "VersionClock"]
 

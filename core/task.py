@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Protocol, runtime_checkable
 
-from core.records import TaskItem
+from tandem.core.records import TaskItem
 
 __all__ = ["RewardFunction", "Task", "TrajectoryKind"]
 

@@ -35,10 +35,10 @@ from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
-from core.components import Components, TaskSetup
-from core.config import FakeEnginesConfig, FaultSpec, LatencySpec, TandemConfig
-from core.protocols import LossObjective, Reward, RewardResult, RolloutRequest, SyncReport
-from core.records import FinishReason, PromptGroup, ResumePolicy, TokenPayload, Trajectory
+from tandem.core.components import Components, TaskSetup
+from tandem.core.config import FakeEnginesConfig, FaultSpec, LatencySpec, TandemConfig
+from tandem.core.protocols import LossObjective, Reward, RewardResult, RolloutRequest, SyncReport
+from tandem.core.records import FinishReason, PromptGroup, ResumePolicy, TokenPayload, Trajectory
 
 __all__ = [
     "FakeRolloutEngine",

@@ -41,12 +41,12 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
-from core.protocols import LossObjective
-from core.records import Trajectory
-from engines.torch_microbatch import MicroBatch, response_logprobs
-from engines.torch_train import StepTotals
-from engines.trainer_group import RankSpec, accumulate_share, score_share
-from param_sync import unique_weights
+from tandem.core.protocols import LossObjective
+from tandem.core.records import Trajectory
+from tandem.engines.torch_microbatch import MicroBatch, response_logprobs
+from tandem.engines.torch_train import StepTotals
+from tandem.engines.trainer_group import RankSpec, accumulate_share, score_share
+from tandem.param_sync import unique_weights
 
 __all__ = ["FSDPRank", "shard_model"]
 

@@ -48,12 +48,12 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from core.protocols import GenerationRequest
-from core.records import FinishReason, ResumePolicy, Trajectory, token_trajectory
-from core.threadsafe import post_to_loop
-from engines.threads import ClosesOnAThread, apply_thread_budget
-from engines.tokenizer import load_tokenizer
-from param_sync import GateClosedError, LoadMode, ModuleTarget
+from tandem.core.protocols import GenerationRequest
+from tandem.core.records import FinishReason, ResumePolicy, Trajectory, token_trajectory
+from tandem.core.threadsafe import post_to_loop
+from tandem.engines.threads import ClosesOnAThread, apply_thread_budget
+from tandem.engines.tokenizer import load_tokenizer
+from tandem.param_sync import GateClosedError, LoadMode, ModuleTarget
 
 __all__ = ["EngineClosedError", "HFRolloutEngine", "validate_request"]
 

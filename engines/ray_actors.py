@@ -36,12 +36,12 @@ from typing import Any
 import numpy as np
 import ray
 
-from core.config import TandemConfig
-from core.protocols import GenerationRequest, LossObjective, Reward, RewardResult, SyncReport
-from core.records import PromptGroup, Trajectory
-from param_sync.bucket import BucketHeader, Manifest
-from param_sync.receiver import LoadReport, Receiver
-from param_sync.transports.object_store import (
+from tandem.core.config import TandemConfig
+from tandem.core.protocols import GenerationRequest, LossObjective, Reward, RewardResult, SyncReport
+from tandem.core.records import PromptGroup, Trajectory
+from tandem.param_sync.bucket import BucketHeader, Manifest
+from tandem.param_sync.receiver import LoadReport, Receiver
+from tandem.param_sync.transports.object_store import (
     ObjectStoreEndpoint,
     ObjectStoreTransport,
     RemoteReceiver,
@@ -57,7 +57,7 @@ _GLOO_TIMEOUT = datetime.timedelta(minutes=2)
 @ray.remote(concurrency_groups={"weights": 1024})
 class RolloutActor:
     def __init__(self, config: TandemConfig, name: str, num_threads: int) -> None:
-        from engines.torch_components import rollout_engine
+        from tandem.engines.torch_components import rollout_engine
 
         _quiet()
         self.name = name
@@ -75,7 +75,7 @@ class RolloutActor:
 
     async def join_dist(self, address: str, rank: int, world_size: int) -> None:
         """Join the trainer's gloo group as ``rank``; serve its broadcasts on a thread of its own."""
-        from param_sync import serve_dist
+        from tandem.param_sync import serve_dist
 
         await asyncio.to_thread(_init_gloo, address, rank, world_size)
         threading.Thread(target=serve_dist, args=(self.receiver,), name="dist-serve", daemon=True).start()
@@ -100,8 +100,8 @@ class RolloutActor:
 @ray.remote
 class TrainerActor:
     def __init__(self, config: TandemConfig, num_threads: int) -> None:
-        from engines.tokenizer import load_tokenizer
-        from engines.torch_components import resolve_model_path, train_engine
+        from tandem.engines.tokenizer import load_tokenizer
+        from tandem.engines.torch_components import resolve_model_path, train_engine
 
         _quiet()
         self.config = config
@@ -127,14 +127,14 @@ class TrainerActor:
     async def connect_dist(self, address: str, world_size: int) -> None:
         """Lead a gloo group of ``world_size`` ranks (the rollout actors join it) and sync
         weights by broadcast; returns once every rank has joined."""
-        from param_sync import DistTransport
+        from tandem.param_sync import DistTransport
 
         await asyncio.to_thread(_init_gloo, address, 0, world_size)
         self._sync_over(DistTransport(src=0))
 
     def _sync_over(self, transport: Any) -> None:
-        from engines.torch_sync import TorchWeightSync, TrainerSyncSource
-        from param_sync import ParamSyncer
+        from tandem.engines.torch_sync import TorchWeightSync, TrainerSyncSource
+        from tandem.param_sync import ParamSyncer
 
         source = TrainerSyncSource(self.engine)
         syncer = ParamSyncer(source, transport, produce_bucket_mb=self.config.param_sync.produce_bucket_mb)
@@ -158,7 +158,7 @@ class TrainerActor:
         return os.getpid(), self.engine.version
 
     async def save_checkpoint(self, folder: str) -> None:
-        from engines.torch_components import save_checkpoint
+        from tandem.engines.torch_components import save_checkpoint
 
         await asyncio.to_thread(save_checkpoint, self.engine, self.tokenizer, Path(folder))
 
@@ -171,7 +171,7 @@ class TrainRankActor:
     the ranks train on."""
 
     def __init__(self, config: TandemConfig, num_threads: int) -> None:
-        from engines.threads import budgeted_executor
+        from tandem.engines.threads import budgeted_executor
 
         _quiet()
         self.config = config
@@ -184,13 +184,13 @@ class TrainRankActor:
 
     async def address(self) -> str:
         """A rendezvous address on this actor's node (rank 0's) for the group's process group."""
-        from engines.trainer_group import free_address
+        from tandem.engines.trainer_group import free_address
 
         return free_address(ray.util.get_node_ip_address())
 
     async def start(self, spec: Any, rank: int, world_size: int, init_method: str) -> object:
         """Build the rank and join the group; ``Ready``, or ``Failed`` with the traceback."""
-        from engines.trainer_group import start_rank
+        from tandem.engines.trainer_group import start_rank
 
         def build() -> object:
             self.server, reply = start_rank(spec, rank=rank, world_size=world_size, init_method=init_method, local=False)
@@ -204,8 +204,8 @@ class TrainRankActor:
     @ray.method(concurrency_group="weights")
     async def connect(self, rollouts: list[tuple[str, Any]]) -> None:
         """Rank 0: sync the staged weights through the object store to these rollout actors."""
-        from engines.torch_sync import TorchWeightSync, TrainerSyncSource
-        from param_sync import ParamSyncer
+        from tandem.engines.torch_sync import TorchWeightSync, TrainerSyncSource
+        from tandem.param_sync import ParamSyncer
 
         source = TrainerSyncSource(self.server)  # the staged weights, under the staging lock
         transport = ObjectStoreTransport([RemoteReceiver(name, handle) for name, handle in rollouts])
@@ -234,7 +234,7 @@ def _init_gloo(address: str, rank: int, world_size: int) -> None:
 @ray.remote
 class ReferenceActor:
     def __init__(self, config: TandemConfig, num_threads: int) -> None:
-        from engines.torch_components import reference_engine
+        from tandem.engines.torch_components import reference_engine
 
         _quiet()
         self.engine = reference_engine(config, num_threads)

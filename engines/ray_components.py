@@ -43,15 +43,15 @@ from ray.util.placement_group import (
 )
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from core.components import Components, TaskSetup
-from core.config import ConfigError, TandemConfig, TorchEnginesConfig
-from core.protocols import GenerationRequest, LossObjective, RewardResult, SyncReport
-from core.records import PromptGroup, Trajectory
-from core.resources import ActorPlacement, ResourcePlan, plan_resources
-from engines.ray_actors import ReferenceActor, RewardActor, RolloutActor, TrainerActor, TrainRankActor
+from tandem.core.components import Components, TaskSetup
+from tandem.core.config import ConfigError, TandemConfig, TorchEnginesConfig
+from tandem.core.protocols import GenerationRequest, LossObjective, RewardResult, SyncReport
+from tandem.core.records import PromptGroup, Trajectory
+from tandem.core.resources import ActorPlacement, ResourcePlan, plan_resources
+from tandem.engines.ray_actors import ReferenceActor, RewardActor, RolloutActor, TrainerActor, TrainRankActor
 
 if TYPE_CHECKING:
-    from engines.trainer_group import TrainerGroup
+    from tandem.engines.trainer_group import TrainerGroup
 
 __all__ = [
     "ActorFailedError",
@@ -377,8 +377,8 @@ def _one_placement_per_rank(config: TandemConfig, placements: list[ActorPlacemen
 
 def _trainer_group(config: TandemConfig, ranks: list[ActorRef]) -> TrainerGroup:
     """Start the rank actors as one trainer group (waits until every rank has joined)."""
-    from engines.torch_components import resolve_model_path
-    from engines.trainer_group import RankSpec, RayRanks, TrainerGroup
+    from tandem.engines.torch_components import resolve_model_path
+    from tandem.engines.trainer_group import RankSpec, RayRanks, TrainerGroup
 
     spec = config.engines
     assert isinstance(spec, TorchEnginesConfig)
@@ -394,9 +394,9 @@ def build_ray_components(config: TandemConfig, setup: TaskSetup) -> Components:
     placement group, and stops the cluster if this started it; it runs on success, error and
     Ctrl-C alike (the flow closes the components it built in a ``finally``).
     """
-    from engines.text_workflow import SingleTurnWorkflow
-    from engines.tokenizer import load_tokenizer
-    from engines.torch_components import (
+    from tandem.engines.text_workflow import SingleTurnWorkflow
+    from tandem.engines.tokenizer import load_tokenizer
+    from tandem.engines.torch_components import (
         prompt_budget,
         resolve_model_path,
         sampling_params,

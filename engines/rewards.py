@@ -30,10 +30,10 @@ from collections.abc import Callable, Sequence
 from functools import cache
 from typing import Any
 
-from core.protocols import RewardResult
-from core.records import PromptGroup, Trajectory
-from core.task import RewardFunction
-from core.threadsafe import post_to_loop
+from tandem.core.protocols import RewardResult
+from tandem.core.records import PromptGroup, Trajectory
+from tandem.core.task import RewardFunction
+from tandem.core.threadsafe import post_to_loop
 
 __all__ = ["TaskReward", "resolve_function"]
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
 
-from core.protocols import GenerationRequest, RolloutEngine, RolloutRequest, SamplingParams
-from core.records import Trajectory
+from tandem.core.protocols import GenerationRequest, RolloutEngine, RolloutRequest, SamplingParams
+from tandem.core.records import Trajectory
 
 __all__ = ["SingleTurnWorkflow"]
 

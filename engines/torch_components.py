@@ -24,21 +24,22 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from core.components import Components, PromptSource, TaskSetup
-from core.config import ConfigError, TandemConfig, TorchEnginesConfig
-from core.protocols import SamplingParams, WeightSync
-from core.records import TaskItem
-from core.task import Task
-from engines.hf_rollout import HFRolloutEngine
-from engines.text_workflow import SingleTurnWorkflow
-from engines.tokenizer import load_tokenizer
-from engines.torch_sync import TorchWeightSync
-from engines.torch_train import TorchLogProbEngine, TorchTrainEngine
-from engines.value import TorchValueEngine
+from tandem.core.components import Components, PromptSource, TaskSetup
+from tandem.core.config import ConfigError, TandemConfig, TorchEnginesConfig
+from tandem.core.paths import PACKAGE_ROOT
+from tandem.core.protocols import SamplingParams, WeightSync
+from tandem.core.records import TaskItem
+from tandem.core.task import Task
+from tandem.engines.hf_rollout import HFRolloutEngine
+from tandem.engines.text_workflow import SingleTurnWorkflow
+from tandem.engines.tokenizer import load_tokenizer
+from tandem.engines.torch_sync import TorchWeightSync
+from tandem.engines.torch_train import TorchLogProbEngine, TorchTrainEngine
+from tandem.engines.value import TorchValueEngine
 
 if TYPE_CHECKING:
-    from engines.trainer_group import TrainerGroup
-    from engines.vllm.engine import VllmRolloutEngine
+    from tandem.engines.trainer_group import TrainerGroup
+    from tandem.engines.vllm.engine import VllmRolloutEngine
 
 __all__ = [
     "TORCH_DTYPES",
@@ -56,19 +57,18 @@ __all__ = [
     "value_engine",
 ]
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def resolve_model_path(path: Path | None) -> Path:
-    """A model folder as given, else relative to the project root; an error names both tries.
+    """A model folder as given, else relative to the package root (``tandem.core.paths``); an error names both tries.
     (The builder fills ``engines.model_path`` from the task when the config leaves it out.)"""
     if path is None:
         raise ConfigError("engines.model_path: no model given, and the task ships none")
-    for candidate in (path, PROJECT_ROOT / path):
+    for candidate in (path, PACKAGE_ROOT / path):
         if (candidate / "config.json").is_file():
             return candidate
-    raise ConfigError(f"engines.model_path: no model (config.json) at {path} or {PROJECT_ROOT / path}")
+    raise ConfigError(f"engines.model_path: no model (config.json) at {path} or {PACKAGE_ROOT / path}")
 
 
 def thread_budgets(config: TandemConfig, cores: int | None = None) -> tuple[int, int]:
@@ -119,7 +119,7 @@ def train_engine(config: TandemConfig, num_threads: int) -> TorchTrainEngine | T
     spec = config.engines
     assert isinstance(spec, TorchEnginesConfig)
     if spec.trainer_group is not None:
-        from engines.trainer_group import RankSpec, TrainerGroup  # only group runs pay for it
+        from tandem.engines.trainer_group import RankSpec, TrainerGroup  # only group runs pay for it
 
         ranks = RankSpec.from_config(config, str(resolve_model_path(spec.model_path)), num_threads)
         return TrainerGroup.local(ranks, spec.train_world_size)
@@ -204,11 +204,11 @@ def build_torch_components(config: TandemConfig, setup: TaskSetup) -> Components
     spec = config.engines
     assert isinstance(spec, TorchEnginesConfig)
     if spec.rollout == "vllm_server":
-        from engines.vllm.components import build_vllm_server_components
+        from tandem.engines.vllm.components import build_vllm_server_components
 
         return build_vllm_server_components(config, setup)
     if spec.rollout not in ("embedded", "vllm"):  # generation in server processes: the same bundle around a router
-        from engines.server.components import build_server_components
+        from tandem.engines.server.components import build_server_components
 
         return build_server_components(config, setup)
     gen_threads, train_threads = thread_budgets(config)
@@ -221,7 +221,7 @@ def build_torch_components(config: TandemConfig, setup: TaskSetup) -> Components
     rollout: HFRolloutEngine | VllmRolloutEngine
     weight_sync: WeightSync
     if spec.rollout == "vllm":
-        from engines.vllm.components import vllm_rollout
+        from tandem.engines.vllm.components import vllm_rollout
 
         rollout, weight_sync = vllm_rollout(config, engine, gen_threads)
     else:

@@ -50,14 +50,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from algorithms.metrics import merge_metric_sums
-from core.protocols import LossObjective
-from core.records import Trajectory
-from engines.threads import apply_thread_budget
-from engines.torch_microbatch import token_payload
+from tandem.algorithms.metrics import merge_metric_sums
+from tandem.core.protocols import LossObjective
+from tandem.core.records import Trajectory
+from tandem.engines.threads import apply_thread_budget
+from tandem.engines.torch_microbatch import token_payload
 
 if TYPE_CHECKING:
-    from engines.torch_train import StepTotals, TorchTrainEngine
+    from tandem.engines.torch_train import StepTotals, TorchTrainEngine
 
 __all__ = ["DataParallelRanks", "TrainRankError", "all_reduce_gradients", "balance", "broadcast_parameters"]
 
@@ -224,7 +224,7 @@ def _rank_main(
     rank: int, world_size: int, port: int, model_path: str, replica: dict[str, Any], conn: Connection
 ) -> None:
     """A rank process: build the replica, join the group, serve the driver until end-of-file."""
-    from engines.torch_train import TorchTrainEngine
+    from tandem.engines.torch_train import TorchTrainEngine
 
     # Ctrl-C reaches the whole process group; the driver decides when ranks stop (end-of-file).
     signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from core.records import TokenPayload, Trajectory
+from tandem.core.records import TokenPayload, Trajectory
 
 __all__ = ["MicroBatch", "collate", "plan_micro_batches", "response_logprobs", "token_payload"]
 

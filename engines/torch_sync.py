@@ -28,10 +28,10 @@ from collections.abc import Iterator
 
 import torch
 
-from core.protocols import SyncReport
-from engines.hf_rollout import HFRolloutEngine
-from engines.torch_train import TorchTrainEngine
-from param_sync import GatherError, InProcessTransport, ParamSyncer, Receiver
+from tandem.core.protocols import SyncReport
+from tandem.engines.hf_rollout import HFRolloutEngine
+from tandem.engines.torch_train import TorchTrainEngine
+from tandem.param_sync import GatherError, InProcessTransport, ParamSyncer, Receiver
 
 __all__ = ["TorchWeightSync", "TrainerMovedOnError", "TrainerSyncSource"]
 

@@ -46,17 +46,17 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 from transformers import AutoModelForCausalLM
 
-from algorithms.batch import LossInputs
-from algorithms.metrics import accumulate_metrics
-from algorithms.objective import LossMeanOver
-from core.protocols import LossObjective
-from core.records import Trajectory
-from engines.threads import ClosesOnAThread, budgeted_executor
-from engines.torch_microbatch import MicroBatch, collate, plan_micro_batches, response_logprobs, token_payload
-from param_sync import unique_weights
+from tandem.algorithms.batch import LossInputs
+from tandem.algorithms.metrics import accumulate_metrics
+from tandem.algorithms.objective import LossMeanOver
+from tandem.core.protocols import LossObjective
+from tandem.core.records import Trajectory
+from tandem.engines.threads import ClosesOnAThread, budgeted_executor
+from tandem.engines.torch_microbatch import MicroBatch, collate, plan_micro_batches, response_logprobs, token_payload
+from tandem.param_sync import unique_weights
 
 if TYPE_CHECKING:
-    from engines.torch_ddp import DataParallelRanks
+    from tandem.engines.torch_ddp import DataParallelRanks
 
 __all__ = ["REFERENCE_STATE_FILE", "TRAINER_STATE_FILE", "StepTotals", "TorchLogProbEngine", "TorchTrainEngine"]
 
@@ -250,7 +250,7 @@ class TorchTrainEngine(_TorchModelEngine):
         )
         self._ranks: DataParallelRanks | None = None
         if world_size > 1:
-            from engines.torch_ddp import DataParallelRanks  # only data-parallel runs pay for it
+            from tandem.engines.torch_ddp import DataParallelRanks  # only data-parallel runs pay for it
 
             replica = {
                 "lr": lr, "dtype": dtype, "temperature": temperature, "weight_decay": weight_decay,

@@ -64,15 +64,15 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
-from algorithms.batch import LossInputs
-from algorithms.metrics import accumulate_metrics, merge_metric_sums
-from core.config import TandemConfig, TorchEnginesConfig
-from core.protocols import LossObjective
-from core.records import FinishReason, Trajectory, token_trajectory
-from engines.threads import ClosesOnAThread, apply_thread_budget
-from engines.torch_ddp import TrainRankError, balance
-from engines.torch_microbatch import MicroBatch, collate, plan_micro_batches, token_payload
-from engines.torch_train import StepTotals, _check_trainable, _padded
+from tandem.algorithms.batch import LossInputs
+from tandem.algorithms.metrics import accumulate_metrics, merge_metric_sums
+from tandem.core.config import TandemConfig, TorchEnginesConfig
+from tandem.core.protocols import LossObjective
+from tandem.core.records import FinishReason, Trajectory, token_trajectory
+from tandem.engines.threads import ClosesOnAThread, apply_thread_budget
+from tandem.engines.torch_ddp import TrainRankError, balance
+from tandem.engines.torch_microbatch import MicroBatch, collate, plan_micro_batches, token_payload
+from tandem.engines.torch_train import StepTotals, _check_trainable, _padded
 
 __all__ = [
     "RANK_ENGINES",
@@ -94,7 +94,7 @@ __all__ = [
 
 _T = TypeVar("_T")
 # The rank engines by the config's name for them ("module:Class", imported in the rank only).
-RANK_ENGINES = {"fsdp2": "engines.fsdp:FSDPRank", "megatron": "engines.megatron.engine:MegatronRank"}
+RANK_ENGINES = {"fsdp2": "tandem.engines.fsdp:FSDPRank", "megatron": "tandem.engines.megatron.engine:MegatronRank"}
 # How long close() lets a rank leave on end-of-file (or a broken group's rank, stuck in a
 # collective, be) before killing it.
 _EXIT_TIMEOUT_S = 10.0

@@ -30,13 +30,13 @@ from typing import Any, TypeVar
 import torch
 from transformers import AutoModelForCausalLM
 
-from algorithms.gae import ValueInputs
-from algorithms.metrics import accumulate_metrics
-from core.protocols import LossObjective
-from core.records import Trajectory
-from engines.threads import budgeted_executor
-from engines.torch_microbatch import MicroBatch, collate, plan_micro_batches, token_payload
-from engines.torch_train import StepTotals
+from tandem.algorithms.gae import ValueInputs
+from tandem.algorithms.metrics import accumulate_metrics
+from tandem.core.protocols import LossObjective
+from tandem.core.records import Trajectory
+from tandem.engines.threads import budgeted_executor
+from tandem.engines.torch_microbatch import MicroBatch, collate, plan_micro_batches, token_payload
+from tandem.engines.torch_train import StepTotals
 
 __all__ = ["CRITIC_STATE_FILE", "TorchValueEngine", "ValueModel"]
 

@@ -10,14 +10,14 @@ What it may import: ``core`` (the protocols), torch and numpy; never ``engines``
 
 from __future__ import annotations
 
-from param_sync.bucket import BucketHeader, Manifest, TensorMeta, TensorSlice, checksum
-from param_sync.buffer import BufferHalf, DualBuffer
-from param_sync.errors import GateClosedError, GatherError, LayoutError, StaleVersionError, SyncError, TransferError
-from param_sync.module import ModuleSource, ModuleTarget, StepGate, unique_weights
-from param_sync.protocols import LoadMode, MappableTarget, SyncSource, SyncTarget, Transport
-from param_sync.receiver import LoadReport, Receiver
-from param_sync.syncer import ParamSyncer
-from param_sync.transports import DistTransport, InProcessTransport, ShmTransport, serve_dist, serve_shm
+from tandem.param_sync.bucket import BucketHeader, Manifest, TensorMeta, TensorSlice, checksum
+from tandem.param_sync.buffer import BufferHalf, DualBuffer
+from tandem.param_sync.errors import GateClosedError, GatherError, LayoutError, StaleVersionError, SyncError, TransferError
+from tandem.param_sync.module import ModuleSource, ModuleTarget, StepGate, unique_weights
+from tandem.param_sync.protocols import LoadMode, MappableTarget, SyncSource, SyncTarget, Transport
+from tandem.param_sync.receiver import LoadReport, Receiver
+from tandem.param_sync.syncer import ParamSyncer
+from tandem.param_sync.transports import DistTransport, InProcessTransport, ShmTransport, serve_dist, serve_shm
 
 __all__ = [
     "BucketHeader",

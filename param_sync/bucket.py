@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
-from param_sync.errors import LayoutError
+from tandem.param_sync.errors import LayoutError
 
 __all__ = [
     "FUSE_NBYTES",

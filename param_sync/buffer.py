@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from param_sync.errors import StaleVersionError
+from tandem.param_sync.errors import StaleVersionError
 
 __all__ = ["BufferHalf", "DualBuffer", "host_half"]
 

@@ -15,8 +15,8 @@ import queue
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from param_sync.bucket import BucketHeader
-from param_sync.errors import GatherError
+from tandem.param_sync.bucket import BucketHeader
+from tandem.param_sync.errors import GatherError
 
 __all__ = ["BucketFeed"]
 

@@ -40,9 +40,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from param_sync.bucket import Manifest, TensorSlice
-from param_sync.errors import GateClosedError, LayoutError, StaleVersionError, SyncError
-from param_sync.protocols import LoadMode
+from tandem.param_sync.bucket import Manifest, TensorSlice
+from tandem.param_sync.errors import GateClosedError, LayoutError, StaleVersionError, SyncError
+from tandem.param_sync.protocols import LoadMode
 
 __all__ = ["ModuleSource", "ModuleTarget", "StepGate", "unique_weights"]
 

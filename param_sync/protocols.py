@@ -17,11 +17,11 @@ from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from param_sync.bucket import BucketHeader, Manifest, TensorSlice
+from tandem.param_sync.bucket import BucketHeader, Manifest, TensorSlice
 
 if TYPE_CHECKING:
-    from param_sync.buffer import BufferHalf
-    from param_sync.receiver import LoadReport
+    from tandem.param_sync.buffer import BufferHalf
+    from tandem.param_sync.receiver import LoadReport
 
 __all__ = ["LoadMode", "MappableTarget", "SyncSource", "SyncTarget", "Transport"]
 

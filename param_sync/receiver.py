@@ -29,9 +29,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from param_sync.bucket import FUSE_NBYTES, U64, BucketHeader, Manifest, MiB, checksum
-from param_sync.errors import StaleVersionError, TransferError
-from param_sync.protocols import MappableTarget, SyncTarget
+from tandem.param_sync.bucket import FUSE_NBYTES, U64, BucketHeader, Manifest, MiB, checksum
+from tandem.param_sync.errors import StaleVersionError, TransferError
+from tandem.param_sync.protocols import MappableTarget, SyncTarget
 
 __all__ = ["LoadReport", "Receiver"]
 

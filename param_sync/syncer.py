@@ -39,12 +39,12 @@ from typing import TypeVar
 import numpy as np
 import torch
 
-from param_sync.bucket import ALIGN, FUSE_NBYTES, U64, BucketHeader, Manifest, MiB, checksum, plan_manifest, tensor_bytes
-from param_sync.buffer import BufferHalf, DualBuffer
-from param_sync.errors import GatherError, LayoutError, SyncError, TransferError
-from param_sync.feed import BucketFeed
-from param_sync.protocols import SyncSource, Transport
-from param_sync.receiver import LoadReport
+from tandem.param_sync.bucket import ALIGN, FUSE_NBYTES, U64, BucketHeader, Manifest, MiB, checksum, plan_manifest, tensor_bytes
+from tandem.param_sync.buffer import BufferHalf, DualBuffer
+from tandem.param_sync.errors import GatherError, LayoutError, SyncError, TransferError
+from tandem.param_sync.feed import BucketFeed
+from tandem.param_sync.protocols import SyncSource, Transport
+from tandem.param_sync.receiver import LoadReport
 
 __all__ = ["ParamSyncer"]
 

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from param_sync.bucket import MiB
+from tandem.param_sync.bucket import MiB
 
 __all__ = ["SyntheticModel", "memcpy_gb_per_s"]
 

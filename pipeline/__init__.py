@@ -9,7 +9,7 @@ report. What it may import: everything below it (``core`` and the parts: ``state
 
 from __future__ import annotations
 
-from core.config import ConfigError, TandemConfig, load_config, validate_config
-from pipeline.flow import AsyncTrainingFlow, FlowResult
+from tandem.core.config import ConfigError, TandemConfig, load_config, validate_config
+from tandem.pipeline.flow import AsyncTrainingFlow, FlowResult
 
 __all__ = ["AsyncTrainingFlow", "ConfigError", "FlowResult", "TandemConfig", "load_config", "validate_config"]

@@ -13,13 +13,13 @@ import importlib.util
 from collections.abc import Callable
 from typing import Any
 
-from core.components import Components, PromptSource, TaskSetup
-from core.config import ConfigError, TandemConfig
-from core.records import Trajectory
-from core.task import RewardFunction, Task
-from engines.rewards import TaskReward
-from tasks.dataset import FileItems
-from tasks.registry import load_task
+from tandem.core.components import Components, PromptSource, TaskSetup
+from tandem.core.config import ConfigError, TandemConfig
+from tandem.core.records import Trajectory
+from tandem.core.task import RewardFunction, Task
+from tandem.engines.rewards import TaskReward
+from tandem.tasks.dataset import FileItems
+from tandem.tasks.registry import load_task
 
 __all__ = [
     "WORKLOADS",
@@ -34,13 +34,13 @@ __all__ = [
 # (engines.type, task kind) -> "module:function" building the bundle from (config, TaskSetup).
 # The backend is ``engines.type``, or ``ray`` for the torch engines as Ray actors.
 WORKLOADS: dict[tuple[str, str], str] = {
-    ("fake", "text"): "engines.fake:build_fake_components",
-    ("torch", "text"): "engines.torch_components:build_torch_components",
-    ("ray", "text"): "engines.ray_components:build_ray_components",
-    ("torch", "image"): "engines.diffusion.components:build_image_components",
-    ("ray", "image"): "engines.diffusion.ray_backend:build_ray_image_components",
-    ("torch", "episode"): "engines.agentic.components:build_episode_components",
-    ("ray", "episode"): "engines.agentic.components:build_ray_episode_components",
+    ("fake", "text"): "tandem.engines.fake:build_fake_components",
+    ("torch", "text"): "tandem.engines.torch_components:build_torch_components",
+    ("ray", "text"): "tandem.engines.ray_components:build_ray_components",
+    ("torch", "image"): "tandem.engines.diffusion.components:build_image_components",
+    ("ray", "image"): "tandem.engines.diffusion.ray_backend:build_ray_image_components",
+    ("torch", "episode"): "tandem.engines.agentic.components:build_episode_components",
+    ("ray", "episode"): "tandem.engines.agentic.components:build_ray_episode_components",
 }
 
 # How each kind's trajectories are shown to reward functions.

@@ -15,21 +15,20 @@ import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
-from pathlib import Path
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from core.config import ConfigError, TandemConfig, load_config
-from core.history import StepRecord
-from engines.server.options import add_arguments as add_serve_arguments
-from pipeline.flow import AsyncTrainingFlow, FlowResult
-from pipeline.logs import configure_logging
-from state_machines.base import StageError
+from tandem.core.config import ConfigError, TandemConfig, load_config
+from tandem.core.history import StepRecord
+from tandem.core.paths import CONFIGS_DIR
+from tandem.engines.server.options import add_arguments as add_serve_arguments
+from tandem.pipeline.flow import AsyncTrainingFlow, FlowResult
+from tandem.pipeline.logs import configure_logging
+from tandem.state_machines.base import StageError
 
-__all__ = ["CONFIGS_DIR", "main", "resolve_config", "summary_line"]
+__all__ = ["main", "summary_line"]
 
-CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
 EXIT_CONFIG_ERROR = 2
 EXIT_INTERRUPTED = 130  # the shell's convention for SIGINT
 
@@ -41,16 +40,6 @@ def shipped_configs() -> dict[str, str]:
         first = path.read_text().splitlines()[:1]
         out[path.stem] = first[0].lstrip("#").strip() if first and first[0].startswith("#") else ""
     return out
-
-
-def resolve_config(name: str) -> Path:
-    """The path as given if it exists, else the shipped ``configs/NAME[.yaml]``; a config found
-    in neither place is returned as given, for :func:`load_config` to name in its error."""
-    path = Path(name)
-    shipped = CONFIGS_DIR / (name if name.endswith(".yaml") else f"{name}.yaml")
-    if not path.is_file() and path.name == name and shipped.is_file():
-        return shipped
-    return path
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -159,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exit_:  # --help, or argparse's own usage error (code 2)
         return int(exit_.code or 0)
     if args.command == "serve":
-        from engines.server.app import run as serve
+        from tandem.engines.server.app import run as serve
 
         configure_logging("console", "info")
         return serve(args)
@@ -169,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.no_progress:
         overrides.append("observability.progress=false")
     try:
-        config = load_config(resolve_config(args.config), overrides)
+        config = load_config(args.config, overrides)
     except ConfigError as err:
         print(f"tandem: {err}", file=sys.stderr)
         return EXIT_CONFIG_ERROR

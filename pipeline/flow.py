@@ -28,20 +28,20 @@ from typing import Any
 
 import structlog
 
-from core.channel import BrokenChannel, ChannelStatistics, ReceiveChannel
-from core.checkpoint import Checkpointer, FlowState, trim_metrics
-from core.components import Components
-from core.config import TandemConfig
-from core.history import ModeChange, RunHistory, StepRecord, SyncRecord, ValidationRecord, read_step_rows
-from core.ledger import DropRecord, Ledger
-from core.staleness import StalenessGate, VersionClock
-from core.trace import TraceRecorder
-from pipeline.builders import build_components
-from pipeline.graph import StageGraph
-from pipeline.metrics import FlowMetrics
-from pipeline.report import plot_run
-from pipeline.tracking import Tracker, open_trackers
-from state_machines.base import FlowServices, StageError, StateMachine
+from tandem.core.channel import BrokenChannel, ChannelStatistics, ReceiveChannel
+from tandem.core.checkpoint import Checkpointer, FlowState, trim_metrics
+from tandem.core.components import Components
+from tandem.core.config import TandemConfig
+from tandem.core.history import ModeChange, RunHistory, StepRecord, SyncRecord, ValidationRecord, read_step_rows
+from tandem.core.ledger import DropRecord, Ledger
+from tandem.core.staleness import StalenessGate, VersionClock
+from tandem.core.trace import TraceRecorder
+from tandem.pipeline.builders import build_components
+from tandem.pipeline.graph import StageGraph
+from tandem.pipeline.metrics import FlowMetrics
+from tandem.pipeline.report import plot_run
+from tandem.pipeline.tracking import Tracker, open_trackers
+from tandem.state_machines.base import FlowServices, StageError, StateMachine
 
 __all__ = ["AsyncTrainingFlow", "FlowResult", "RoleSummary"]
 

@@ -24,13 +24,13 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any
 
-from core.channel import ReceiveChannel, SendChannel, open_channel
-from core.config import TandemConfig
-from core.resources import colocated_groups
-from state_machines.base import FlowServices, StateMachine
-from state_machines.critic import CriticStateMachine
-from state_machines.registry import create_role_state_machine
-from state_machines.train import TrainStateMachine
+from tandem.core.channel import ReceiveChannel, SendChannel, open_channel
+from tandem.core.config import TandemConfig
+from tandem.core.resources import colocated_groups
+from tandem.state_machines.base import FlowServices, StateMachine
+from tandem.state_machines.critic import CriticStateMachine
+from tandem.state_machines.registry import create_role_state_machine
+from tandem.state_machines.train import TrainStateMachine
 
 __all__ = ["BuiltGraph", "StageGraph"]
 

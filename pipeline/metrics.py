@@ -41,14 +41,14 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from core.channel import ReceiveChannel
-from core.history import StepRecord, SyncRecord, ValidationRecord
-from core.ledger import Ledger
-from core.staleness import StalenessGate, VersionClock
-from state_machines.consumption import CONSUMPTION_ACTIONS
+from tandem.core.channel import ReceiveChannel
+from tandem.core.history import StepRecord, SyncRecord, ValidationRecord
+from tandem.core.ledger import Ledger
+from tandem.core.staleness import StalenessGate, VersionClock
+from tandem.state_machines.consumption import CONSUMPTION_ACTIONS
 
 if TYPE_CHECKING:
-    from state_machines.base import StateMachine
+    from tandem.state_machines.base import StateMachine
 
 __all__ = ["FlowMetrics"]
 
@@ -59,7 +59,7 @@ class _LiveCollector(Collector):
         self.machines, self.channels, self.clock, self.ledger, self.gate = machines, channels, clock, ledger, gate
 
     def collect(self) -> Iterator[Any]:
-        from state_machines.base import State
+        from tandem.state_machines.base import State
 
         version = GaugeMetricFamily("tandem_policy_version", "Policy version each role last worked with", labels=["role"])
         state = GaugeMetricFamily("tandem_role_state", "1 for the state each role is in", labels=["role", "state"])

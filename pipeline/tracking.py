@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
-from core.config import ConfigError, TandemConfig
+from tandem.core.config import ConfigError, TandemConfig
 
 __all__ = ["MLflowTracker", "TensorBoardTracker", "Tracker", "WandbTracker", "open_trackers", "scalars"]
 

@@ -29,17 +29,17 @@ from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 import structlog
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential
 
-from core.channel import EndOfStream, ReceiveChannel, SendChannel
-from core.config import RoleConfig, TandemConfig
-from core.history import RunHistory
-from core.ledger import Ledger, LedgerError
-from core.records import PromptGroup, Trajectory, TrajectoryGroup
-from core.staleness import StalenessGate, StalenessViolation, VersionClock
-from core.trace import TraceRecorder
+from tandem.core.channel import EndOfStream, ReceiveChannel, SendChannel
+from tandem.core.config import RoleConfig, TandemConfig
+from tandem.core.history import RunHistory
+from tandem.core.ledger import Ledger, LedgerError
+from tandem.core.records import PromptGroup, Trajectory, TrajectoryGroup
+from tandem.core.staleness import StalenessGate, StalenessViolation, VersionClock
+from tandem.core.trace import TraceRecorder
 
 if TYPE_CHECKING:
-    from core.checkpoint import Checkpointer, FlowState
-    from core.components import Components
+    from tandem.core.checkpoint import Checkpointer, FlowState
+    from tandem.core.components import Components
 
 __all__ = ["FlowServices", "Stage", "StageError", "State", "StateMachine"]
 

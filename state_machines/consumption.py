@@ -40,9 +40,9 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable
 
-from algorithms.shaping import has_reward_variance
-from core.records import Trajectory, TrajectoryGroup
-from state_machines.base import FlowServices
+from tandem.algorithms.shaping import has_reward_variance
+from tandem.core.records import Trajectory, TrajectoryGroup
+from tandem.state_machines.base import FlowServices
 
 __all__ = ["CONSUMPTION_ACTIONS", "Consumption", "version_span"]
 

@@ -28,12 +28,12 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-from algorithms.objective import ValueObjective
-from core.channel import EndOfStream, ReceiveChannel
-from core.history import CriticRecord
-from core.protocols import ValueEngine
-from core.records import Trajectory, TrajectoryGroup
-from state_machines.base import FlowServices, Stage
+from tandem.algorithms.objective import ValueObjective
+from tandem.core.channel import EndOfStream, ReceiveChannel
+from tandem.core.history import CriticRecord
+from tandem.core.protocols import ValueEngine
+from tandem.core.records import Trajectory, TrajectoryGroup
+from tandem.state_machines.base import FlowServices, Stage
 
 __all__ = ["CriticBatch", "CriticStateMachine"]
 

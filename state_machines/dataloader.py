@@ -12,8 +12,8 @@ is admitted twice.
 
 from __future__ import annotations
 
-from core.records import PromptGroup
-from state_machines.base import State, StateMachine
+from tandem.core.records import PromptGroup
+from tandem.state_machines.base import State, StateMachine
 
 __all__ = ["DataloaderStateMachine"]
 

@@ -34,11 +34,11 @@ import contextlib
 from collections import deque
 from collections.abc import AsyncIterator
 
-from core.protocols import RolloutRequest
-from core.records import PromptGroup
-from core.staleness import Admission
-from state_machines.base import StageError, State, StateMachine
-from state_machines.messages import Generation
+from tandem.core.protocols import RolloutRequest
+from tandem.core.records import PromptGroup
+from tandem.core.staleness import Admission
+from tandem.state_machines.base import StageError, State, StateMachine
+from tandem.state_machines.messages import Generation
 
 __all__ = ["GenerateStateMachine", "request_seed"]
 

@@ -17,9 +17,9 @@ the reward role fed.
 
 from __future__ import annotations
 
-from core.protocols import LogProbEngine
-from core.records import Trajectory, TrajectoryGroup
-from state_machines.base import Stage
+from tandem.core.protocols import LogProbEngine
+from tandem.core.records import Trajectory, TrajectoryGroup
+from tandem.state_machines.base import Stage
 
 __all__ = ["LogPStateMachine", "score"]
 

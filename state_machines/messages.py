@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from core.records import PromptGroup, Trajectory
+from tandem.core.records import PromptGroup, Trajectory
 
 __all__ = ["Generation"]
 

@@ -25,8 +25,8 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any
 
-from core.history import ModeChange
-from state_machines.base import State, StateMachine
+from tandem.core.history import ModeChange
+from tandem.state_machines.base import State, StateMachine
 
 __all__ = ["ParamUpdateStateMachine", "SyncGaveUpError"]
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from core.records import TrajectoryGroup
-from state_machines.base import Stage
-from state_machines.logp import score
+from tandem.core.records import TrajectoryGroup
+from tandem.state_machines.base import Stage
+from tandem.state_machines.logp import score
 
 __all__ = ["RefLogPStateMachine"]
 

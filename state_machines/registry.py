@@ -12,18 +12,18 @@ import importlib
 from collections.abc import Mapping
 from typing import Any
 
-from core.channel import ReceiveChannel, SendChannel
-from state_machines.base import FlowServices, StateMachine
-from state_machines.critic import CriticStateMachine
-from state_machines.dataloader import DataloaderStateMachine
-from state_machines.generate import GenerateStateMachine
-from state_machines.logp import LogPStateMachine
-from state_machines.param_update import ParamUpdateStateMachine
-from state_machines.ref_logp import RefLogPStateMachine
-from state_machines.reward import RewardStateMachine
-from state_machines.rollout import RolloutStateMachine
-from state_machines.train import TrainStateMachine
-from state_machines.validate import ValidateStateMachine
+from tandem.core.channel import ReceiveChannel, SendChannel
+from tandem.state_machines.base import FlowServices, StateMachine
+from tandem.state_machines.critic import CriticStateMachine
+from tandem.state_machines.dataloader import DataloaderStateMachine
+from tandem.state_machines.generate import GenerateStateMachine
+from tandem.state_machines.logp import LogPStateMachine
+from tandem.state_machines.param_update import ParamUpdateStateMachine
+from tandem.state_machines.ref_logp import RefLogPStateMachine
+from tandem.state_machines.reward import RewardStateMachine
+from tandem.state_machines.rollout import RolloutStateMachine
+from tandem.state_machines.train import TrainStateMachine
+from tandem.state_machines.validate import ValidateStateMachine
 
 __all__ = ["ROLE_STATE_MACHINES", "create_role_state_machine", "resolve_stage_class"]
 

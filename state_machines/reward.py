@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import math
 
-from core.protocols import RewardResult
-from core.records import TrajectoryGroup
-from state_machines.base import Stage
+from tandem.core.protocols import RewardResult
+from tandem.core.records import TrajectoryGroup
+from tandem.state_machines.base import Stage
 
 __all__ = ["RewardStateMachine"]
 

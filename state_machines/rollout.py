@@ -7,9 +7,9 @@ bounded by the groups in flight, and a group dropped anywhere is discarded here 
 
 from __future__ import annotations
 
-from core.records import Trajectory, TrajectoryGroup
-from state_machines.base import FlowServices, Stage
-from state_machines.messages import Generation
+from tandem.core.records import Trajectory, TrajectoryGroup
+from tandem.state_machines.base import FlowServices, Stage
+from tandem.state_machines.messages import Generation
 
 __all__ = ["RolloutStateMachine"]
 

@@ -32,14 +32,14 @@ import dataclasses
 from collections.abc import Coroutine
 from typing import Any
 
-from algorithms import PolicyObjective, compute_advantages
-from algorithms.shaping import soft_overlong_penalty
-from core.channel import SendChannel
-from core.history import StepRecord
-from core.records import FinishReason, Trajectory, TrajectoryGroup
-from state_machines.base import FlowServices, StateMachine
-from state_machines.consumption import Consumption, version_span
-from state_machines.critic import CriticBatch
+from tandem.algorithms import PolicyObjective, compute_advantages
+from tandem.algorithms.shaping import soft_overlong_penalty
+from tandem.core.channel import SendChannel
+from tandem.core.history import StepRecord
+from tandem.core.records import FinishReason, Trajectory, TrajectoryGroup
+from tandem.state_machines.base import FlowServices, StateMachine
+from tandem.state_machines.consumption import Consumption, version_span
+from tandem.state_machines.critic import CriticBatch
 
 __all__ = ["TrainStateMachine"]
 
@@ -115,7 +115,7 @@ class TrainStateMachine(StateMachine):
         action, whitened over the step's trained actions (verl's ``compute_gae_advantage_return``)."""
         import torch  # the critic's path only: group estimators run without torch
 
-        from algorithms.gae import gae_advantages, outcome_token_rewards, whiten
+        from tandem.algorithms.gae import gae_advantages, outcome_token_rewards, whiten
 
         algo = self.config.algorithm
         trajectories = [t for g in batch for t in g.trajectories]

@@ -23,11 +23,11 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-from core.history import ValidationRecord
-from core.protocols import RewardResult, RolloutRequest
-from core.records import PromptGroup, Trajectory
-from state_machines.base import State, StateMachine
-from state_machines.generate import request_seed
+from tandem.core.history import ValidationRecord
+from tandem.core.protocols import RewardResult, RolloutRequest
+from tandem.core.records import PromptGroup, Trajectory
+from tandem.state_machines.base import State, StateMachine
+from tandem.state_machines.generate import request_seed
 
 __all__ = ["VALIDATION_IDS", "ValidateStateMachine"]
 

@@ -19,8 +19,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from core.config import ConfigError
-from core.records import TaskItem
+from tandem.core.config import ConfigError
+from tandem.core.records import TaskItem
 
 __all__ = ["FileItems"]
 

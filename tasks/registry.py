@@ -14,8 +14,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from core.config import ConfigError, import_named
-from core.task import Task
+from tandem.core.config import ConfigError, import_named
+from tandem.core.task import Task
 
 __all__ = ["available_tasks", "load_task"]
 
@@ -36,7 +36,7 @@ def load_task(name: str, options: Mapping[str, Any] | None = None) -> Task:
     else:
         if name not in available_tasks():
             raise ConfigError(f"task.name: no task {name!r}; built-in: {available_tasks()} (or give module:object)")
-        module = importlib.import_module(f"tasks.{name}")
+        module = importlib.import_module(f"tandem.tasks.{name}")
         target = getattr(module, "make_task", None)
         if target is None:
             raise ConfigError(f"task.name: tasks/{name} has no make_task(**options)")

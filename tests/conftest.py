@@ -13,7 +13,7 @@ import looptime
 import pytest
 import structlog
 
-from core.config import TandemConfig, validate_config
+from tandem.core.config import TandemConfig, validate_config
 
 T = TypeVar("T")
 

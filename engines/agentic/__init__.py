@@ -18,10 +18,10 @@ Importing this package pulls in neither torch nor transformers (reward workers u
 
 from __future__ import annotations
 
-from engines.agentic.environment_manager import EnvironmentManager, episode_seed
-from engines.agentic.payload import EpisodePayload
-from engines.agentic.registry import WORKFLOWS, load_workflow
-from engines.agentic.workflow import (
+from tandem.engines.agentic.environment_manager import EnvironmentManager, episode_seed
+from tandem.engines.agentic.payload import EpisodePayload
+from tandem.engines.agentic.registry import WORKFLOWS, load_workflow
+from tandem.engines.agentic.workflow import (
     AgentWorkflow,
     Completion,
     EpisodeEngine,

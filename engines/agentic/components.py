@@ -18,14 +18,14 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from core.components import Components, TaskSetup
-from core.config import ConfigError, TandemConfig, TorchEnginesConfig
-from core.environment import EnvironmentRunner, EnvironmentTask
-from core.protocols import RolloutEngine
-from engines.agentic.registry import load_workflow
-from engines.agentic.workflow import WorkflowContext
-from engines.tokenizer import load_tokenizer
-from engines.torch_components import build_torch_components, prompt_budget, resolve_model_path, sampling_params
+from tandem.core.components import Components, TaskSetup
+from tandem.core.config import ConfigError, TandemConfig, TorchEnginesConfig
+from tandem.core.environment import EnvironmentRunner, EnvironmentTask
+from tandem.core.protocols import RolloutEngine
+from tandem.engines.agentic.registry import load_workflow
+from tandem.engines.agentic.workflow import WorkflowContext
+from tandem.engines.tokenizer import load_tokenizer
+from tandem.engines.torch_components import build_torch_components, prompt_budget, resolve_model_path, sampling_params
 
 __all__ = ["build_episode_components", "build_ray_episode_components", "episode_budget"]
 
@@ -103,7 +103,7 @@ def build_episode_components(config: TandemConfig, setup: TaskSetup) -> Componen
 def build_ray_episode_components(config: TandemConfig, setup: TaskSetup) -> Components:
     """The episode workload with the engines as Ray actors: the workflow and environments stay in
     this process and drive the rollout actors turn by turn."""
-    from engines.ray_components import build_ray_components
+    from tandem.engines.ray_components import build_ray_components
 
     _environment_task(setup, config)
     components = build_ray_components(config, setup)

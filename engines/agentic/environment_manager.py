@@ -40,9 +40,9 @@ import asyncio
 from collections.abc import Awaitable
 from typing import TypeVar
 
-from core.environment import EnvironmentFactory, EnvironmentRunner, EpisodeFailure
-from core.records import FinishReason, TaskItem, Trajectory
-from engines.agentic.workflow import AgentWorkflow, EpisodeEngine, WorkflowContext
+from tandem.core.environment import EnvironmentFactory, EnvironmentRunner, EpisodeFailure
+from tandem.core.records import FinishReason, TaskItem, Trajectory
+from tandem.engines.agentic.workflow import AgentWorkflow, EpisodeEngine, WorkflowContext
 
 __all__ = ["EnvironmentManager", "episode_seed"]
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from core.records import TokenPayload
+from tandem.core.records import TokenPayload
 
 __all__ = ["EpisodePayload"]
 

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from core.config import ConfigError, import_named
-from core.protocols import RolloutWorkflow
-from engines.agentic.workflow import WorkflowContext
-from engines.text_workflow import SingleTurnWorkflow
+from tandem.core.config import ConfigError, import_named
+from tandem.core.protocols import RolloutWorkflow
+from tandem.engines.agentic.workflow import WorkflowContext
+from tandem.engines.text_workflow import SingleTurnWorkflow
 
 __all__ = ["WORKFLOWS", "load_workflow", "single_turn"]
 
@@ -27,8 +27,8 @@ def single_turn(context: WorkflowContext) -> SingleTurnWorkflow:
 
 # Built-in workflow name -> "module:attribute" of its class or factory.
 WORKFLOWS: dict[str, str] = {
-    "environment": "engines.agentic.environment_manager:EnvironmentManager",
-    "single_turn": "engines.agentic.registry:single_turn",
+    "environment": "tandem.engines.agentic.environment_manager:EnvironmentManager",
+    "single_turn": "tandem.engines.agentic.registry:single_turn",
 }
 
 

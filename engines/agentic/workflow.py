@@ -56,12 +56,12 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from core.environment import EnvironmentFactory, EnvironmentRunner, EpisodeFailure
-from core.protocols import GenerationRequest, RolloutEngine, RolloutRequest, SamplingParams
-from core.records import FinishReason, ResumePolicy, TaskItem, Trajectory
-from core.task import Task
-from core.trace import TraceRecorder
-from engines.agentic.payload import EpisodePayload
+from tandem.core.environment import EnvironmentFactory, EnvironmentRunner, EpisodeFailure
+from tandem.core.protocols import GenerationRequest, RolloutEngine, RolloutRequest, SamplingParams
+from tandem.core.records import FinishReason, ResumePolicy, TaskItem, Trajectory
+from tandem.core.task import Task
+from tandem.core.trace import TraceRecorder
+from tandem.engines.agentic.payload import EpisodePayload
 
 __all__ = [
     "AgentWorkflow",

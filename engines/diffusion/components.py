@@ -16,15 +16,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from core.components import Components, TaskSetup
-from core.config import ConfigError, TandemConfig, TorchEnginesConfig
-from engines.diffusion.model import MODEL_INDEX
-from engines.diffusion.rollout import DiffusionRolloutEngine
-from engines.diffusion.train import DiffusionTrainEngine
-from engines.diffusion.workflow import ImageWorkflow
-from engines.torch_components import PROJECT_ROOT, TORCH_DTYPES, thread_budgets
-from engines.torch_sync import TorchWeightSync, TrainerSyncSource
-from param_sync import InProcessTransport, ParamSyncer, Receiver
+from tandem.core.components import Components, TaskSetup
+from tandem.core.config import ConfigError, TandemConfig, TorchEnginesConfig
+from tandem.core.paths import PACKAGE_ROOT
+from tandem.engines.diffusion.model import MODEL_INDEX
+from tandem.engines.diffusion.rollout import DiffusionRolloutEngine
+from tandem.engines.diffusion.train import DiffusionTrainEngine
+from tandem.engines.diffusion.workflow import ImageWorkflow
+from tandem.engines.torch_components import TORCH_DTYPES, thread_budgets
+from tandem.engines.torch_sync import TorchWeightSync, TrainerSyncSource
+from tandem.param_sync import InProcessTransport, ParamSyncer, Receiver
 
 __all__ = [
     "build_image_components",
@@ -37,13 +38,13 @@ __all__ = [
 
 
 def resolve_generator_path(path: Path | None) -> Path:
-    """A generator folder (with ``model_index.json``) as given, else relative to the project root."""
+    """A generator folder (with ``model_index.json``) as given, else relative to the package root (``tandem.core.resources``)."""
     if path is None:
         raise ConfigError("engines.model_path: no model given, and the task ships none")
-    for candidate in (path, PROJECT_ROOT / path):
+    for candidate in (path, PACKAGE_ROOT / path):
         if (candidate / MODEL_INDEX).is_file():
             return candidate
-    raise ConfigError(f"engines.model_path: no generator ({MODEL_INDEX}) at {path} or {PROJECT_ROOT / path}")
+    raise ConfigError(f"engines.model_path: no generator ({MODEL_INDEX}) at {path} or {PACKAGE_ROOT / path}")
 
 
 def check_image_config(config: TandemConfig) -> TorchEnginesConfig:

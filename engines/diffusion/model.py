@@ -40,7 +40,7 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 from diffusers.models.modeling_utils import ModelMixin
 from torch import nn
 
-from algorithms.flow_grpo import classifier_free_guidance
+from tandem.algorithms.flow_grpo import classifier_free_guidance
 
 __all__ = [
     "MODEL_INDEX",

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from core.records import Trajectory
+from tandem.core.records import Trajectory
 
 __all__ = ["ImagePayload", "image_payload"]
 

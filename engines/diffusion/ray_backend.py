@@ -30,15 +30,15 @@ import structlog
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from core.components import Components, TaskSetup
-from core.config import TandemConfig
-from core.protocols import LossObjective, SyncReport
-from core.records import Trajectory
-from core.resources import ActorPlacement
-from engines.diffusion.components import check_image_config, image_workflow
-from engines.diffusion.rollout import DenoiseRequest
-from engines.ray_actors import RewardActor
-from engines.ray_components import (
+from tandem.core.components import Components, TaskSetup
+from tandem.core.config import TandemConfig
+from tandem.core.protocols import LossObjective, SyncReport
+from tandem.core.records import Trajectory
+from tandem.core.resources import ActorPlacement
+from tandem.engines.diffusion.components import check_image_config, image_workflow
+from tandem.engines.diffusion.rollout import DenoiseRequest
+from tandem.engines.ray_actors import RewardActor
+from tandem.engines.ray_components import (
     ActorRef,
     RayReward,
     RayRolloutEngine,
@@ -47,9 +47,9 @@ from engines.ray_components import (
     cluster_plan,
     connect,
 )
-from param_sync.bucket import BucketHeader, Manifest
-from param_sync.receiver import LoadReport, Receiver
-from param_sync.transports.object_store import ObjectStoreEndpoint, ObjectStoreTransport, RemoteReceiver
+from tandem.param_sync.bucket import BucketHeader, Manifest
+from tandem.param_sync.receiver import LoadReport, Receiver
+from tandem.param_sync.transports.object_store import ObjectStoreEndpoint, ObjectStoreTransport, RemoteReceiver
 
 __all__ = ["DiffusionRolloutActor", "DiffusionTrainerActor", "build_ray_image_components"]
 
@@ -62,7 +62,7 @@ _GLOO_TIMEOUT = datetime.timedelta(minutes=2)
 @ray.remote(concurrency_groups={"weights": 1024})
 class DiffusionRolloutActor:
     def __init__(self, config: TandemConfig, name: str, num_threads: int) -> None:
-        from engines.diffusion.components import image_rollout_engine
+        from tandem.engines.diffusion.components import image_rollout_engine
 
         self.name = name
         self.engine = image_rollout_engine(config, num_threads)
@@ -78,7 +78,7 @@ class DiffusionRolloutActor:
             yield trajectory
 
     async def join_dist(self, address: str, rank: int, world_size: int) -> None:
-        from param_sync import serve_dist
+        from tandem.param_sync import serve_dist
 
         await asyncio.to_thread(_init_gloo, address, rank, world_size)
         threading.Thread(target=serve_dist, args=(self.receiver,), name="dist-serve", daemon=True).start()
@@ -103,7 +103,7 @@ class DiffusionRolloutActor:
 @ray.remote
 class DiffusionTrainerActor:
     def __init__(self, config: TandemConfig, num_threads: int) -> None:
-        from engines.diffusion.components import image_train_engine
+        from tandem.engines.diffusion.components import image_train_engine
 
         self.config = config
         self.engine = image_train_engine(config, num_threads)
@@ -125,14 +125,14 @@ class DiffusionTrainerActor:
         return f"tcp://{host}:{port}"
 
     async def connect_dist(self, address: str, world_size: int) -> None:
-        from param_sync import DistTransport
+        from tandem.param_sync import DistTransport
 
         await asyncio.to_thread(_init_gloo, address, 0, world_size)
         self._sync_over(DistTransport(src=0))
 
     def _sync_over(self, transport: Any) -> None:
-        from engines.torch_sync import TorchWeightSync, TrainerSyncSource
-        from param_sync import ParamSyncer
+        from tandem.engines.torch_sync import TorchWeightSync, TrainerSyncSource
+        from tandem.param_sync import ParamSyncer
 
         source = TrainerSyncSource(self.engine)  # type: ignore[arg-type]
         syncer = ParamSyncer(source, transport, produce_bucket_mb=self.config.param_sync.produce_bucket_mb)

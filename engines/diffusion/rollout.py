@@ -43,13 +43,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from algorithms.flow_grpo import ode_step, sde_transition, transition_log_prob
-from core.records import FinishReason, Trajectory
-from core.threadsafe import post_to_loop
-from engines.diffusion.model import Conditioning, FlowMatchingGenerator, guided_velocity, load_generator
-from engines.diffusion.payload import ImagePayload
-from engines.threads import ClosesOnAThread, apply_thread_budget
-from param_sync import GateClosedError, LoadMode, ModuleTarget
+from tandem.algorithms.flow_grpo import ode_step, sde_transition, transition_log_prob
+from tandem.core.records import FinishReason, Trajectory
+from tandem.core.threadsafe import post_to_loop
+from tandem.engines.diffusion.model import Conditioning, FlowMatchingGenerator, guided_velocity, load_generator
+from tandem.engines.diffusion.payload import ImagePayload
+from tandem.engines.threads import ClosesOnAThread, apply_thread_budget
+from tandem.param_sync import GateClosedError, LoadMode, ModuleTarget
 
 __all__ = ["DenoiseRequest", "DiffusionRolloutEngine", "EngineClosedError"]
 

@@ -45,15 +45,15 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from algorithms.batch import LossInputs
-from algorithms.flow_grpo import sde_transition, transition_kl, transition_log_prob
-from algorithms.metrics import accumulate_metrics
-from core.protocols import LossObjective
-from core.records import Trajectory
-from engines.diffusion.model import MODEL_INDEX, guided_velocity, load_generator
-from engines.diffusion.payload import ImagePayload, image_payload
-from engines.threads import ClosesOnAThread, budgeted_executor
-from param_sync import unique_weights
+from tandem.algorithms.batch import LossInputs
+from tandem.algorithms.flow_grpo import sde_transition, transition_kl, transition_log_prob
+from tandem.algorithms.metrics import accumulate_metrics
+from tandem.core.protocols import LossObjective
+from tandem.core.records import Trajectory
+from tandem.engines.diffusion.model import MODEL_INDEX, guided_velocity, load_generator
+from tandem.engines.diffusion.payload import ImagePayload, image_payload
+from tandem.engines.threads import ClosesOnAThread, budgeted_executor
+from tandem.param_sync import unique_weights
 
 __all__ = ["TRAINER_STATE_FILE", "DiffusionTrainEngine"]
 

@@ -27,12 +27,12 @@ from typing import Protocol
 
 import numpy as np
 
-from algorithms.flow_grpo import choose_sde_window, sde_step_mask
-from core.protocols import RolloutRequest
-from core.records import Trajectory
-from engines.diffusion.grid import write_grid
-from engines.diffusion.payload import image_payload
-from engines.diffusion.rollout import DenoiseRequest
+from tandem.algorithms.flow_grpo import choose_sde_window, sde_step_mask
+from tandem.core.protocols import RolloutRequest
+from tandem.core.records import Trajectory
+from tandem.engines.diffusion.grid import write_grid
+from tandem.engines.diffusion.payload import image_payload
+from tandem.engines.diffusion.rollout import DenoiseRequest
 
 __all__ = ["DenoisingEngine", "ImageWorkflow"]
 

@@ -42,15 +42,15 @@ from megatron.core import parallel_state
 from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 from transformers import AutoModelForCausalLM
 
-from core.protocols import LossObjective
-from core.records import Trajectory
-from engines.megatron.convert import build_gpt_model, gather_hf_tensors, hf_to_megatron, load_hf_weights
-from engines.megatron.model import response_logprobs
-from engines.megatron.parallel import model_parallel
-from engines.torch_ddp import all_reduce_gradients
-from engines.torch_microbatch import MicroBatch
-from engines.torch_train import StepTotals
-from engines.trainer_group import RankSpec, accumulate_share, score_share
+from tandem.core.protocols import LossObjective
+from tandem.core.records import Trajectory
+from tandem.engines.megatron.convert import build_gpt_model, gather_hf_tensors, hf_to_megatron, load_hf_weights
+from tandem.engines.megatron.model import response_logprobs
+from tandem.engines.megatron.parallel import model_parallel
+from tandem.engines.torch_ddp import all_reduce_gradients
+from tandem.engines.torch_microbatch import MicroBatch
+from tandem.engines.torch_train import StepTotals
+from tandem.engines.trainer_group import RankSpec, accumulate_share, score_share
 
 __all__ = ["MegatronRank"]
 

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
-from engines.megatron.cpu_shims import cpu_shims
+from tandem.engines.megatron.cpu_shims import cpu_shims
 
 __all__ = ["model_parallel"]
 

@@ -36,12 +36,12 @@ from typing import Any
 
 import structlog
 
-from core.config import ConfigError, import_named
-from core.protocols import Agent, AgentRun, AgentSession, RolloutRequest, SamplingParams
-from core.records import FinishReason, ResumePolicy, Trajectory, token_trajectory
-from engines.server.openai_api import CONVERSATION_HEADER
-from engines.server.router import ServerRolloutEngine
-from engines.server.schemas import ConversationRecord
+from tandem.core.config import ConfigError, import_named
+from tandem.core.protocols import Agent, AgentRun, AgentSession, RolloutRequest, SamplingParams
+from tandem.core.records import FinishReason, ResumePolicy, Trajectory, token_trajectory
+from tandem.engines.server.openai_api import CONVERSATION_HEADER
+from tandem.engines.server.router import ServerRolloutEngine
+from tandem.engines.server.schemas import ConversationRecord
 
 __all__ = ["OpenAIAgentWorkflow", "agent_session", "load_agent", "records_to_trajectory"]
 

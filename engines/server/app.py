@@ -40,13 +40,13 @@ import numpy as np
 import structlog
 from aiohttp import web
 
-from core.protocols import GenerationRequest
-from core.protocols import SamplingParams as EngineSampling
-from core.records import FinishReason, Trajectory
-from engines.server.engine import Partial, Running, ServedEngine
-from engines.server.http import error_body, error_response, parse
-from engines.server.receive import WeightUpdates
-from engines.server.schemas import (
+from tandem.core.protocols import GenerationRequest
+from tandem.core.protocols import SamplingParams as EngineSampling
+from tandem.core.records import FinishReason, Trajectory
+from tandem.engines.server.engine import Partial, Running, ServedEngine
+from tandem.engines.server.http import error_body, error_response, parse
+from tandem.engines.server.receive import WeightUpdates
+from tandem.engines.server.schemas import (
     AbortReq,
     GenerateReqInput,
     GenerateResponse,
@@ -64,7 +64,7 @@ from engines.server.schemas import (
     header_from_json,
     manifest_from_json,
 )
-from param_sync import LoadReport, Receiver
+from tandem.param_sync import LoadReport, Receiver
 
 __all__ = ["RolloutServer", "report_body", "run", "serve", "shm_transfer"]
 
@@ -104,7 +104,7 @@ class RolloutServer:
                    dist_timeout_s=dist_timeout_s)
 
     def application(self) -> web.Application:
-        from engines.server.openai_api import add_openai_routes
+        from tandem.engines.server.openai_api import add_openai_routes
 
         app = web.Application(client_max_size=1 << 30)
         r = app.router

@@ -18,7 +18,7 @@ from typing import Any
 
 import aiohttp
 
-from engines.server.schemas import ConversationRecord, GenerateResponse, ModelInfo, SuccessResponse
+from tandem.engines.server.schemas import ConversationRecord, GenerateResponse, ModelInfo, SuccessResponse
 
 __all__ = ["ServerClient", "ServerError", "ServerGoneError"]
 

@@ -25,16 +25,16 @@ from typing import Any
 
 import aiohttp
 
-from core.components import Components, TaskSetup
-from core.config import TandemConfig, TorchEnginesConfig
-from core.protocols import RolloutWorkflow
-from engines.server.agent import OpenAIAgentWorkflow, load_agent
-from engines.server.client import ServerClient
-from engines.server.launcher import ServerFleet, ServerSpec, sglang_command, tandem_command
-from engines.server.router import ServerRolloutEngine
-from engines.server.weights import DiskTransport, HttpDistTransport, HttpShmTransport, ServerWeightSync, free_port
-from engines.torch_sync import TorchWeightSync, TrainerSyncSource
-from param_sync import ParamSyncer, Transport
+from tandem.core.components import Components, TaskSetup
+from tandem.core.config import TandemConfig, TorchEnginesConfig
+from tandem.core.protocols import RolloutWorkflow
+from tandem.engines.server.agent import OpenAIAgentWorkflow, load_agent
+from tandem.engines.server.client import ServerClient
+from tandem.engines.server.launcher import ServerFleet, ServerSpec, sglang_command, tandem_command
+from tandem.engines.server.router import ServerRolloutEngine
+from tandem.engines.server.weights import DiskTransport, HttpDistTransport, HttpShmTransport, ServerWeightSync, free_port
+from tandem.engines.torch_sync import TorchWeightSync, TrainerSyncSource
+from tandem.param_sync import ParamSyncer, Transport
 
 __all__ = ["ServerKind", "build_server_components", "server_fleet"]
 
@@ -82,9 +82,9 @@ def server_fleet(
 def build_server_components(config: TandemConfig, setup: TaskSetup, kind: ServerKind | None = None) -> Components:
     """The text workload's bundle with generation in servers (see the module docstring); ``kind``
     None: tandem serve or sglang, as ``engines.rollout`` says."""
-    from engines.text_workflow import SingleTurnWorkflow
-    from engines.tokenizer import load_tokenizer
-    from engines.torch_components import (
+    from tandem.engines.text_workflow import SingleTurnWorkflow
+    from tandem.engines.tokenizer import load_tokenizer
+    from tandem.engines.torch_components import (
         prompt_budget,
         reference_engine,
         resolve_model_path,

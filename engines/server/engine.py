@@ -28,11 +28,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from core.protocols import GenerationRequest
-from core.records import FinishReason, ResumePolicy, Trajectory
-from core.threadsafe import post_to_loop
-from engines.hf_rollout import EngineClosedError, HFRolloutEngine, _Call, _request_generator, _Sequence, validate_request
-from param_sync import GateClosedError
+from tandem.core.protocols import GenerationRequest
+from tandem.core.records import FinishReason, ResumePolicy, Trajectory
+from tandem.core.threadsafe import post_to_loop
+from tandem.engines.hf_rollout import EngineClosedError, HFRolloutEngine, _Call, _request_generator, _Sequence, validate_request
+from tandem.param_sync import GateClosedError
 
 __all__ = ["Partial", "Running", "ServedEngine"]
 

@@ -35,12 +35,11 @@ from pathlib import Path
 import aiohttp
 import structlog
 
-from core.threadsafe import post_to_loop
+from tandem.core.threadsafe import post_to_loop
 
 __all__ = ["ServerFleet", "ServerLaunchError", "ServerSpec", "sglang_command", "tandem_command"]
 
 log = structlog.get_logger("tandem.launcher")
-PROJECT_ROOT = Path(__file__).resolve().parent.parent.parent
 _PR_SET_PDEATHSIG = 1
 
 
@@ -51,7 +50,7 @@ class ServerLaunchError(RuntimeError):
 def tandem_command(model_path: str, host: str, port: int, *, name: str, threads: int, max_batch_size: int,
                    resume_policy: str, dtype: str, device: str, consume_bucket_mb: float) -> list[str]:
     return [
-        sys.executable, "-m", "pipeline.cli", "serve", "--model-path", model_path, "--host", host, "--port", str(port),
+        sys.executable, "-m", "tandem.pipeline.cli", "serve", "--model-path", model_path, "--host", host, "--port", str(port),
         "--name", name, "--threads", str(threads), "--max-batch-size", str(max_batch_size),
         "--resume-policy", resume_policy, "--dtype", dtype, "--device", device, "--consume-bucket-mb", f"{consume_bucket_mb:g}",
     ]
@@ -152,7 +151,7 @@ class ServerFleet:
         spec.log_path.parent.mkdir(parents=True, exist_ok=True)
         with spec.log_path.open("ab") as out:
             proc.popen = subprocess.Popen(
-                spec.command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=PROJECT_ROOT,
+                spec.command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 env={**os.environ, **spec.env}, start_new_session=True, preexec_fn=_die_with_parent,
             )
         log.info("rollout server started", server=spec.name, pid=proc.popen.pid, command=" ".join(spec.command))

@@ -26,14 +26,14 @@ from typing import TYPE_CHECKING, Any
 import structlog
 from aiohttp import web
 
-from core.protocols import GenerationRequest
-from core.records import Trajectory
-from engines.server.engine import Partial
-from engines.server.http import error_response, parse
-from engines.server.schemas import ChatCompletionRequest, CompletionRequest, ConversationRecord, SamplingParams
+from tandem.core.protocols import GenerationRequest
+from tandem.core.records import Trajectory
+from tandem.engines.server.engine import Partial
+from tandem.engines.server.http import error_response, parse
+from tandem.engines.server.schemas import ChatCompletionRequest, CompletionRequest, ConversationRecord, SamplingParams
 
 if TYPE_CHECKING:
-    from engines.server.app import RolloutServer
+    from tandem.engines.server.app import RolloutServer
 
 __all__ = ["ConversationLog", "add_openai_routes"]
 

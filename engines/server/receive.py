@@ -38,14 +38,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from engines.server.dist_group import broadcast, destroy_weight_group, init_weight_group
-from engines.server.schemas import (
+from tandem.engines.server.dist_group import broadcast, destroy_weight_group, init_weight_group
+from tandem.engines.server.schemas import (
     InitWeightsUpdateGroupReqInput,
     UpdateWeightsFromDistributedReqInput,
     manifest_from_json,
 )
-from param_sync import LoadReport, Manifest, Receiver, unique_weights
-from param_sync.bucket import BucketHeader, MiB, checksum, dtype_from_name, plan_manifest
+from tandem.param_sync import LoadReport, Manifest, Receiver, unique_weights
+from tandem.param_sync.bucket import BucketHeader, MiB, checksum, dtype_from_name, plan_manifest
 
 __all__ = ["CHECKSUMS_KEY", "DIST_STATUS_ABORTED", "DIST_STATUS_OK", "LAYOUT_KEY", "WeightUpdates", "parse_version"]
 

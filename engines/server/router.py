@@ -42,9 +42,9 @@ import aiohttp
 import numpy as np
 import structlog
 
-from core.protocols import GenerationRequest
-from core.records import FinishReason, ResumePolicy, Trajectory, token_trajectory
-from engines.server.client import ServerClient, ServerError, ServerGoneError
+from tandem.core.protocols import GenerationRequest
+from tandem.core.records import FinishReason, ResumePolicy, Trajectory, token_trajectory
+from tandem.engines.server.client import ServerClient, ServerError, ServerGoneError
 
 __all__ = ["Endpoint", "NoServerError", "ServerRolloutEngine", "served_version"]
 

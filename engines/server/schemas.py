@@ -27,7 +27,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from param_sync.bucket import BucketHeader, Manifest, TensorMeta
+from tandem.param_sync.bucket import BucketHeader, Manifest, TensorMeta
 
 __all__ = [
     "AbortReq",

@@ -43,15 +43,15 @@ from urllib.parse import urlsplit
 import numpy as np
 import torch
 
-from core.protocols import SyncReport, WeightSync
-from engines.server.dist_group import broadcast, destroy_weight_group, init_weight_group
-from engines.server.receive import CHECKSUMS_KEY, LAYOUT_KEY
-from engines.server.router import ServerRolloutEngine
-from engines.server.schemas import header_to_json, manifest_to_json
-from param_sync import BucketHeader, BufferHalf, LoadReport, Manifest
-from param_sync.bucket import dtype_from_name
-from param_sync.buffer import host_half
-from param_sync.transports.shm import segment_half
+from tandem.core.protocols import SyncReport, WeightSync
+from tandem.engines.server.dist_group import broadcast, destroy_weight_group, init_weight_group
+from tandem.engines.server.receive import CHECKSUMS_KEY, LAYOUT_KEY
+from tandem.engines.server.router import ServerRolloutEngine
+from tandem.engines.server.schemas import header_to_json, manifest_to_json
+from tandem.param_sync import BucketHeader, BufferHalf, LoadReport, Manifest
+from tandem.param_sync.bucket import dtype_from_name
+from tandem.param_sync.buffer import host_half
+from tandem.param_sync.transports.shm import segment_half
 
 __all__ = [
     "ClosableWeightSync",

@@ -15,15 +15,15 @@ from __future__ import annotations
 
 import os
 
-from core.components import Components, TaskSetup
-from core.config import TandemConfig, TorchEnginesConfig
-from core.protocols import SyncReport
-from engines.server.router import ServerRolloutEngine
-from engines.torch_sync import TorchWeightSync, TrainerSyncSource
-from engines.vllm.engine import VllmRolloutEngine, VllmSettings, eos_token_ids
-from engines.vllm.server import VllmHttpEndpoint, VllmServerClient, vllm_command, vllm_server_env
-from engines.vllm.sync import VllmShmTransport, WeightProbe
-from param_sync import ParamSyncer
+from tandem.core.components import Components, TaskSetup
+from tandem.core.config import TandemConfig, TorchEnginesConfig
+from tandem.core.protocols import SyncReport
+from tandem.engines.server.router import ServerRolloutEngine
+from tandem.engines.torch_sync import TorchWeightSync, TrainerSyncSource
+from tandem.engines.vllm.engine import VllmRolloutEngine, VllmSettings, eos_token_ids
+from tandem.engines.vllm.server import VllmHttpEndpoint, VllmServerClient, vllm_command, vllm_server_env
+from tandem.engines.vllm.sync import VllmShmTransport, WeightProbe
+from tandem.param_sync import ParamSyncer
 
 __all__ = ["VllmWeightSync", "build_vllm_server_components", "generation_cpus", "vllm_rollout"]
 
@@ -53,7 +53,7 @@ class VllmWeightSync:
 
 def vllm_rollout(config: TandemConfig, trainer: object, threads: int) -> tuple[VllmRolloutEngine, VllmWeightSync]:
     """vLLM serving ``engines.model_path`` on ``threads`` cores, and the weight sync into it from ``trainer``."""
-    from engines.torch_components import TORCH_DTYPES, resolve_model_path
+    from tandem.engines.torch_components import TORCH_DTYPES, resolve_model_path
 
     spec = config.engines
     assert isinstance(spec, TorchEnginesConfig)
@@ -79,8 +79,8 @@ def build_vllm_server_components(config: TandemConfig, setup: TaskSetup) -> Comp
     vllm_server``): the server bundle, with vLLM's command, client and shared-memory weight sync."""
     from transformers import AutoConfig
 
-    from engines.server.components import ServerKind, build_server_components
-    from engines.torch_components import TORCH_DTYPES, resolve_model_path
+    from tandem.engines.server.components import ServerKind, build_server_components
+    from tandem.engines.torch_components import TORCH_DTYPES, resolve_model_path
 
     spec = config.engines
     assert isinstance(spec, TorchEnginesConfig)

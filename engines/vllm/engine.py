@@ -41,18 +41,18 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from core.protocols import GenerationRequest
-from core.records import FinishReason, ResumePolicy, Trajectory, token_trajectory
-from core.threadsafe import post_to_loop
-from engines.hf_rollout import validate_request
-from engines.server.router import segment_seed, served_version
-from engines.server.schemas import header_to_json, manifest_to_json
-from engines.threads import ClosesOnAThread
-from param_sync import BucketHeader, LoadReport, Manifest
+from tandem.core.protocols import GenerationRequest
+from tandem.core.records import FinishReason, ResumePolicy, Trajectory, token_trajectory
+from tandem.core.threadsafe import post_to_loop
+from tandem.engines.hf_rollout import validate_request
+from tandem.engines.server.router import segment_seed, served_version
+from tandem.engines.server.schemas import header_to_json, manifest_to_json
+from tandem.engines.threads import ClosesOnAThread
+from tandem.param_sync import BucketHeader, LoadReport, Manifest
 
 __all__ = ["WORKER_EXTENSION", "VllmRolloutEngine", "VllmSettings", "eos_token_ids", "token_versions", "vllm_environment"]
 
-WORKER_EXTENSION = "engines.vllm.worker.TandemWorkerExtension"
+WORKER_EXTENSION = "tandem.engines.vllm.worker.TandemWorkerExtension"
 
 _SHUTDOWN_GRACE_S = 60.0
 _ENV_LOCK = threading.Lock()  # os.environ is process-wide: one engine start edits it at a time

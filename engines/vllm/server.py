@@ -30,11 +30,11 @@ from typing import Any
 
 import aiohttp
 
-from engines.server.client import ServerClient, ServerError
-from engines.server.schemas import GenerateResponse, ModelInfo, header_to_json, manifest_to_json
-from engines.server.weights import post_json
-from engines.vllm.engine import WORKER_EXTENSION, VllmSettings, token_versions
-from param_sync import BucketHeader, LoadReport, Manifest
+from tandem.engines.server.client import ServerClient, ServerError
+from tandem.engines.server.schemas import GenerateResponse, ModelInfo, header_to_json, manifest_to_json
+from tandem.engines.server.weights import post_json
+from tandem.engines.vllm.engine import WORKER_EXTENSION, VllmSettings, token_versions
+from tandem.param_sync import BucketHeader, LoadReport, Manifest
 
 __all__ = ["VllmHttpEndpoint", "VllmServerClient", "vllm_command", "vllm_server_env"]
 

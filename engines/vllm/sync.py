@@ -27,9 +27,9 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from param_sync import BucketHeader, BufferHalf, LoadReport, Manifest
-from param_sync.bucket import dtype_from_name
-from param_sync.transports.shm import segment_half
+from tandem.param_sync import BucketHeader, BufferHalf, LoadReport, Manifest
+from tandem.param_sync.bucket import dtype_from_name
+from tandem.param_sync.transports.shm import segment_half
 
 __all__ = ["VllmEndpoint", "VllmShmTransport", "WeightProbe", "probe_sequence"]
 

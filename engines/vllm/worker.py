@@ -32,10 +32,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from engines.server.receive import attach_segment
-from engines.server.schemas import header_from_json, manifest_from_json
-from param_sync import LayoutError, Manifest, Receiver, StaleVersionError, TensorSlice
-from param_sync.bucket import dtype_from_name
+from tandem.engines.server.receive import attach_segment
+from tandem.engines.server.schemas import header_from_json, manifest_from_json
+from tandem.param_sync import LayoutError, Manifest, Receiver, StaleVersionError, TensorSlice
+from tandem.param_sync.bucket import dtype_from_name
 
 __all__ = ["TandemWorkerExtension", "VllmModelTarget", "checkpoint_weight_names"]
 
@@ -122,7 +122,7 @@ class VllmModelTarget:
 
 
 class TandemWorkerExtension:
-    """Mixed into vLLM's worker class (``worker_extension_cls="engines.vllm.worker.TandemWorkerExtension"``).
+    """Mixed into vLLM's worker class (``worker_extension_cls="tandem.engines.vllm.worker.TandemWorkerExtension"``).
 
     ``self`` is the vLLM worker: ``self.model_runner`` and ``self.vllm_config`` are its own.
     """

@@ -7,8 +7,8 @@ of the multi-process ones is a serve loop (:func:`serve_shm`, :func:`serve_dist`
 
 from __future__ import annotations
 
-from param_sync.transports.dist import DistTransport, serve_dist
-from param_sync.transports.inprocess import InProcessTransport
-from param_sync.transports.shm import ShmTransport, serve_shm
+from tandem.param_sync.transports.dist import DistTransport, serve_dist
+from tandem.param_sync.transports.inprocess import InProcessTransport
+from tandem.param_sync.transports.shm import ShmTransport, serve_shm
 
 __all__ = ["DistTransport", "InProcessTransport", "ShmTransport", "serve_dist", "serve_shm"]

@@ -23,10 +23,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from param_sync.bucket import BucketHeader, Manifest
-from param_sync.buffer import BufferHalf, host_half
-from param_sync.receiver import LoadReport, Receiver
-from param_sync.transports.messages import Abort, Begin, Close, End
+from tandem.param_sync.bucket import BucketHeader, Manifest
+from tandem.param_sync.buffer import BufferHalf, host_half
+from tandem.param_sync.receiver import LoadReport, Receiver
+from tandem.param_sync.transports.messages import Abort, Begin, Close, End
 
 __all__ = ["DistTransport", "serve_dist"]
 

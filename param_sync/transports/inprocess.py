@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from param_sync.bucket import BucketHeader, Manifest
-from param_sync.buffer import BufferHalf, host_half
-from param_sync.receiver import LoadReport, Receiver
+from tandem.param_sync.bucket import BucketHeader, Manifest
+from tandem.param_sync.buffer import BufferHalf, host_half
+from tandem.param_sync.receiver import LoadReport, Receiver
 
 __all__ = ["InProcessTransport"]
 

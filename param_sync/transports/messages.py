@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from param_sync.bucket import Manifest
-from param_sync.receiver import LoadReport
+from tandem.param_sync.bucket import Manifest
+from tandem.param_sync.receiver import LoadReport
 
 __all__ = ["Abort", "Ack", "Begin", "Close", "End"]
 

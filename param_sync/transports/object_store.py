@@ -33,10 +33,10 @@ import numpy as np
 import ray
 from ray.exceptions import RayActorError
 
-from param_sync.bucket import BucketHeader, Manifest
-from param_sync.buffer import BufferHalf, host_half
-from param_sync.errors import TransferError
-from param_sync.receiver import LoadReport, Receiver
+from tandem.param_sync.bucket import BucketHeader, Manifest
+from tandem.param_sync.buffer import BufferHalf, host_half
+from tandem.param_sync.errors import TransferError
+from tandem.param_sync.receiver import LoadReport, Receiver
 
 __all__ = ["ObjectStoreEndpoint", "ObjectStoreTransport", "RemoteReceiver"]
 

@@ -37,10 +37,10 @@ from multiprocessing.shared_memory import SharedMemory
 
 import numpy as np
 
-from param_sync.bucket import BucketHeader, Manifest
-from param_sync.buffer import BufferHalf
-from param_sync.receiver import LoadReport, Receiver
-from param_sync.transports.messages import Abort, Ack, Begin, Close, End
+from tandem.param_sync.bucket import BucketHeader, Manifest
+from tandem.param_sync.buffer import BufferHalf
+from tandem.param_sync.receiver import LoadReport, Receiver
+from tandem.param_sync.transports.messages import Abort, Ack, Begin, Close, End
 
 __all__ = ["SEGMENT_PREFIX", "ShmTransport", "segment_half", "serve_shm"]
 

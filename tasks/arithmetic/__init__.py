@@ -12,16 +12,16 @@ and the config layer stay light; the tokenizer and pretraining modules import th
 
 from __future__ import annotations
 
-from tasks.arithmetic.jsonl import load_jsonl, write_jsonl
-from tasks.arithmetic.problems import (
+from tandem.tasks.arithmetic.jsonl import load_jsonl, write_jsonl
+from tandem.tasks.arithmetic.problems import (
     MAX_RESPONSE_CHARS,
     Problem,
     format_prompt,
     format_response,
     generate_problems,
 )
-from tasks.arithmetic.task import MODEL_DIR, ArithmeticTask, make_task
-from tasks.arithmetic.verifier import extract_answer, verify
+from tandem.tasks.arithmetic.task import MODEL_DIR, ArithmeticTask, make_task
+from tandem.tasks.arithmetic.verifier import extract_answer, verify
 
 # One token per character plus <eos>: a max_new_tokens that never truncates a correct answer.
 MAX_RESPONSE_TOKENS = MAX_RESPONSE_CHARS + 1

@@ -12,7 +12,7 @@ import json
 from collections.abc import Iterable
 from pathlib import Path
 
-from tasks.arithmetic.problems import Problem
+from tandem.tasks.arithmetic.problems import Problem
 
 
 def write_jsonl(problems: Iterable[Problem], path: str | Path) -> None:

@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator
 
 import openai
 
-from core.protocols import Agent, AgentRun
+from tandem.core.protocols import Agent, AgentRun
 
 __all__ = ["solver"]
 

@@ -28,8 +28,8 @@ from pathlib import Path
 import torch
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from tasks.arithmetic import MAX_RESPONSE_TOKENS, MODEL_DIR
-from tasks.arithmetic.problems import (
+from tandem.tasks.arithmetic import MAX_RESPONSE_TOKENS, MODEL_DIR
+from tandem.tasks.arithmetic.problems import (
     CHECK_SEED,
     REPORT_SEED,
     Problem,
@@ -38,8 +38,8 @@ from tasks.arithmetic.problems import (
     generate_problems,
     sample_operands,
 )
-from tasks.arithmetic.tokenizer import MODEL_MAX_LENGTH, build_tokenizer
-from tasks.arithmetic.verifier import verify
+from tandem.tasks.arithmetic.tokenizer import MODEL_MAX_LENGTH, build_tokenizer
+from tandem.tasks.arithmetic.verifier import verify
 
 REPORT_PROBLEMS = 200
 

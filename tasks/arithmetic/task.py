@@ -6,9 +6,9 @@ import itertools
 from collections.abc import Iterator
 from pathlib import Path
 
-from core.records import TaskItem
-from core.task import RewardFunction, TrajectoryKind
-from tasks.arithmetic.problems import REPORT_SEED, generate_problems
+from tandem.core.records import TaskItem
+from tandem.core.task import RewardFunction, TrajectoryKind
+from tandem.tasks.arithmetic.problems import REPORT_SEED, generate_problems
 
 __all__ = ["ArithmeticTask", "make_task"]
 
@@ -36,7 +36,7 @@ class ArithmeticTask:
         return [TaskItem(prompt=row["prompt"], answer=row["answer"]) for row in generate_problems(n, REPORT_SEED)]
 
     def rewards(self) -> list[RewardFunction]:
-        return [RewardFunction("correct", "tasks.arithmetic.verifier:verify")]
+        return [RewardFunction("correct", "tandem.tasks.arithmetic.verifier:verify")]
 
 
 def make_task() -> ArithmeticTask:

@@ -10,8 +10,8 @@ nor transformers.
 
 from __future__ import annotations
 
-from tasks.calculator.environment import MAX_TURN_CHARS, MAX_TURNS, TOOL_ERROR, CalculatorEnvironment, parse_turn
-from tasks.calculator.task import HELD_OUT_SEEDS, MODEL_DIR, TRAIN_SEEDS, CalculatorTask, make_task
+from tandem.tasks.calculator.environment import MAX_TURN_CHARS, MAX_TURNS, TOOL_ERROR, CalculatorEnvironment, parse_turn
+from tandem.tasks.calculator.task import HELD_OUT_SEEDS, MODEL_DIR, TRAIN_SEEDS, CalculatorTask, make_task
 
 __all__ = [
     "HELD_OUT_SEEDS",

@@ -39,9 +39,9 @@ from __future__ import annotations
 
 import re
 
-from core.environment import StepResult
-from tasks.arithmetic import MAX_RESPONSE_CHARS, Problem, generate_problems, verify
-from tasks.arithmetic.problems import MAX_DIGITS
+from tandem.core.environment import StepResult
+from tandem.tasks.arithmetic import MAX_RESPONSE_CHARS, Problem, generate_problems, verify
+from tandem.tasks.arithmetic.problems import MAX_DIGITS
 
 __all__ = ["MAX_TURNS", "MAX_TURN_CHARS", "TOOL_ERROR", "CalculatorEnvironment", "parse_turn"]
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
-from tasks.calculator.environment import MAX_TURN_CHARS, CalculatorEnvironment
+from tandem.tasks.calculator.environment import MAX_TURN_CHARS, CalculatorEnvironment
 
 __all__ = ["CalculatorReport", "play"]
 

@@ -33,11 +33,11 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
-from tasks.arithmetic import MODEL_DIR as ARITHMETIC_MODEL_DIR
-from tasks.arithmetic.problems import format_prompt, format_response, sample_operands
-from tasks.arithmetic.tokenizer import build_tokenizer
-from tasks.calculator.play import CalculatorReport, play
-from tasks.calculator.task import HELD_OUT_SEEDS, MODEL_DIR
+from tandem.tasks.arithmetic import MODEL_DIR as ARITHMETIC_MODEL_DIR
+from tandem.tasks.arithmetic.problems import format_prompt, format_response, sample_operands
+from tandem.tasks.arithmetic.tokenizer import build_tokenizer
+from tandem.tasks.calculator.play import CalculatorReport, play
+from tandem.tasks.calculator.task import HELD_OUT_SEEDS, MODEL_DIR
 
 REPORT_PROBLEMS = 200
 REPORT_SAMPLING_SEED = 0

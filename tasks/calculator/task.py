@@ -28,11 +28,11 @@ import itertools
 from collections.abc import Iterator
 from pathlib import Path
 
-from core.environment import EnvironmentFactory
-from core.records import TaskItem
-from core.task import RewardFunction, TrajectoryKind
-from tasks.arithmetic import generate_problems
-from tasks.calculator.environment import MAX_TURNS, CalculatorEnvironment
+from tandem.core.environment import EnvironmentFactory
+from tandem.core.records import TaskItem
+from tandem.core.task import RewardFunction, TrajectoryKind
+from tandem.tasks.arithmetic import generate_problems
+from tandem.tasks.calculator.environment import MAX_TURNS, CalculatorEnvironment
 
 __all__ = ["HELD_OUT_SEEDS", "MODEL_DIR", "TRAIN_SEEDS", "CalculatorTask", "make_task"]
 
@@ -67,7 +67,7 @@ class CalculatorTask:
 
     def rewards(self) -> list[RewardFunction]:
         # Reading one float off the episode: cheaper inline than a process hop.
-        return [RewardFunction("correct", "tasks.calculator.reward:correct", runner="inline")]
+        return [RewardFunction("correct", "tandem.tasks.calculator.reward:correct", runner="inline")]
 
 
 def _item(seed: int) -> TaskItem:

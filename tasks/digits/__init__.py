@@ -47,7 +47,7 @@ def parse_prompt(prompt: str) -> int:
 
 
 # The task plugin (``task.name: digits``); imported last, as it reads the constants above.
-from tasks.digits.task import DigitsTask, make_task  # noqa: E402
+from tandem.tasks.digits.task import DigitsTask, make_task  # noqa: E402
 
 __all__ = [
     "CLASSIFIER_DIR",

@@ -29,7 +29,7 @@ from diffusers.models.modeling_utils import ModelMixin
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from tasks.digits import (
+from tandem.tasks.digits import (
     CLASSIFIER_DIR,
     IMAGE_SIZE,
     MODEL_DIR,
@@ -155,7 +155,7 @@ MODEL_INDEX_FILE = "model_index.json"
 MODEL_INDEX: dict[str, list[str]] = {
     "transformer": ["diffusers", "SD3Transformer2DModel"],
     "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
-    "prompt_encoder": ["tasks.digits.models", "DigitPromptEncoder"],
+    "prompt_encoder": ["tandem.tasks.digits.models", "DigitPromptEncoder"],
 }
 
 _CLASSIFIER_CONFIG = "config.json"

@@ -35,9 +35,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from tasks.digits import MODEL_DIR, NUM_DIGITS, UNCONDITIONAL_INDEX
-from tasks.digits.data import HELDOUT_FRACTION, SPLIT_SEED, load_split
-from tasks.digits.models import (
+from tandem.tasks.digits import MODEL_DIR, NUM_DIGITS, UNCONDITIONAL_INDEX
+from tandem.tasks.digits.data import HELDOUT_FRACTION, SPLIT_SEED, load_split
+from tandem.tasks.digits.models import (
     ClassifierConfig,
     DigitClassifier,
     DigitGenerator,
@@ -46,7 +46,7 @@ from tasks.digits.models import (
     build_transformer,
     save_classifier,
 )
-from tasks.digits.sampling import sample_images
+from tandem.tasks.digits.sampling import sample_images
 
 # Noise-seed ranges of the check set (the stop rule) and the report set (the recorded rate),
 # kept apart so the recorded rate is not the one the stop rule selected on.

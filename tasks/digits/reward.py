@@ -37,7 +37,7 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 from safetensors.numpy import load_file
 
-from tasks.digits import CLASSIFIER_DIR, IMAGE_SIZE, NUM_DIGITS
+from tandem.tasks.digits import CLASSIFIER_DIR, IMAGE_SIZE, NUM_DIGITS
 
 __all__ = [
     "REWARDS",

@@ -16,8 +16,8 @@ from collections.abc import Sequence
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
-from tasks.digits import IMAGE_SIZE, UNCONDITIONAL_INDEX
-from tasks.digits.models import DigitGenerator
+from tandem.tasks.digits import IMAGE_SIZE, UNCONDITIONAL_INDEX
+from tandem.tasks.digits.models import DigitGenerator
 
 __all__ = [
     "predict_velocity",

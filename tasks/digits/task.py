@@ -21,9 +21,9 @@ from typing import Literal
 
 import numpy as np
 
-from core.records import TaskItem
-from core.task import RewardFunction, TrajectoryKind
-from tasks.digits import MODEL_DIR, NUM_DIGITS, format_prompt
+from tandem.core.records import TaskItem
+from tandem.core.task import RewardFunction, TrajectoryKind
+from tandem.tasks.digits import MODEL_DIR, NUM_DIGITS, format_prompt
 
 __all__ = ["DigitsTask", "make_task"]
 
@@ -62,9 +62,9 @@ class DigitsTask:
         return [self._item(i % NUM_DIGITS) for i in range(n)]
 
     def rewards(self) -> list[RewardFunction]:
-        functions = [RewardFunction("ocr", "tasks.digits.reward:ocr", 1.0, self.judge)]
+        functions = [RewardFunction("ocr", "tandem.tasks.digits.reward:ocr", 1.0, self.judge)]
         if self.ink_weight:
-            functions.append(RewardFunction("ink", "tasks.digits.reward:ink", self.ink_weight, self.judge))
+            functions.append(RewardFunction("ink", "tandem.tasks.digits.reward:ink", self.ink_weight, self.judge))
         return functions
 
 

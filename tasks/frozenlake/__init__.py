@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tasks.frozenlake.environment import MAX_TURNS, FrozenLakeEnvironment, parse_action, render
-from tasks.frozenlake.maps import (
+from tandem.tasks.frozenlake.environment import MAX_TURNS, FrozenLakeEnvironment, parse_action, render
+from tandem.tasks.frozenlake.maps import (
     ACTIONS,
     FROZEN_PROBABILITY,
     HELD_OUT_SEEDS,
@@ -31,7 +31,7 @@ from tasks.frozenlake.maps import (
 
 MODEL_DIR: Path = Path(__file__).resolve().parent / "model"
 
-from tasks.frozenlake.task import HELD_OUT_MAPS, FrozenLakeTask, make_task  # noqa: E402  (needs MODEL_DIR)
+from tandem.tasks.frozenlake.task import HELD_OUT_MAPS, FrozenLakeTask, make_task  # noqa: E402  (needs MODEL_DIR)
 
 __all__ = [
     "ACTIONS",

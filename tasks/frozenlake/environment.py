@@ -40,8 +40,8 @@ from collections.abc import Sequence
 
 from gymnasium.envs.toy_text.frozen_lake import FrozenLakeEnv
 
-from core.environment import StepResult
-from tasks.frozenlake.maps import (
+from tandem.core.environment import StepResult
+from tandem.tasks.frozenlake.maps import (
     ACTIONS,
     FROZEN_PROBABILITY,
     MAP_SIZE,

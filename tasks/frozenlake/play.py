@@ -19,9 +19,9 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
-from tasks.frozenlake.environment import MAX_TURNS, FrozenLakeEnvironment
-from tasks.frozenlake.tokenizer import EOT
-from tasks.frozenlake.transcript import TURN_TOKENS
+from tandem.tasks.frozenlake.environment import MAX_TURNS, FrozenLakeEnvironment
+from tandem.tasks.frozenlake.tokenizer import EOT
+from tandem.tasks.frozenlake.transcript import TURN_TOKENS
 
 __all__ = ["EpisodeOutcome", "PlayReport", "play", "summarize"]
 

@@ -39,12 +39,12 @@ from pathlib import Path
 import torch
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from tasks.frozenlake import MODEL_DIR
-from tasks.frozenlake.environment import FrozenLakeEnvironment
-from tasks.frozenlake.maps import ACTIONS, HELD_OUT_SEEDS, TRAIN_SEEDS, LakeMap, expert_action, generate_map
-from tasks.frozenlake.play import PlayReport, play, summarize
-from tasks.frozenlake.tokenizer import EOT, MODEL_MAX_LENGTH, build_tokenizer
-from tasks.frozenlake.transcript import TURN_TOKENS, encode_episode
+from tandem.tasks.frozenlake import MODEL_DIR
+from tandem.tasks.frozenlake.environment import FrozenLakeEnvironment
+from tandem.tasks.frozenlake.maps import ACTIONS, HELD_OUT_SEEDS, TRAIN_SEEDS, LakeMap, expert_action, generate_map
+from tandem.tasks.frozenlake.play import PlayReport, play, summarize
+from tandem.tasks.frozenlake.tokenizer import EOT, MODEL_MAX_LENGTH, build_tokenizer
+from tandem.tasks.frozenlake.transcript import TURN_TOKENS, encode_episode
 
 CHECK_SEEDS = range(2_000_000, 2_000_128)
 REPORT_MAPS = 200

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tasks.frozenlake.environment import parse_action
+from tandem.tasks.frozenlake.environment import parse_action
 
 __all__ = ["malformed_actions", "reached_goal"]
 

@@ -20,11 +20,11 @@ import functools
 import itertools
 from collections.abc import Iterator
 
-from core.environment import EnvironmentFactory
-from core.records import TaskItem
-from core.task import RewardFunction, TrajectoryKind
-from tasks.frozenlake.environment import FrozenLakeEnvironment, render
-from tasks.frozenlake.maps import HELD_OUT_SEEDS, MAP_SIZE, TRAIN_SEEDS, LakeMap, generate_map
+from tandem.core.environment import EnvironmentFactory
+from tandem.core.records import TaskItem
+from tandem.core.task import RewardFunction, TrajectoryKind
+from tandem.tasks.frozenlake.environment import FrozenLakeEnvironment, render
+from tandem.tasks.frozenlake.maps import HELD_OUT_SEEDS, MAP_SIZE, TRAIN_SEEDS, LakeMap, generate_map
 
 __all__ = ["HELD_OUT_MAPS", "FrozenLakeTask", "make_task"]
 
@@ -43,7 +43,7 @@ class FrozenLakeTask:
             raise ValueError(f"size must be at least 2, got {size}")
         if max_turns is not None and max_turns < 1:
             raise ValueError(f"max_turns must be at least 1, got {max_turns}")
-        from tasks.frozenlake import MODEL_DIR  # the package imports this module
+        from tandem.tasks.frozenlake import MODEL_DIR  # the package imports this module
 
         self.model_path = MODEL_DIR
         self.slippery = slippery
@@ -65,8 +65,8 @@ class FrozenLakeTask:
     def rewards(self) -> list[RewardFunction]:
         # Reading a few fields off the episode: cheaper inline than a process hop.
         return [
-            RewardFunction("goal", "tasks.frozenlake.reward:reached_goal", runner="inline"),
-            RewardFunction("format", "tasks.frozenlake.reward:malformed_actions", weight=0.1, runner="inline"),
+            RewardFunction("goal", "tandem.tasks.frozenlake.reward:reached_goal", runner="inline"),
+            RewardFunction("format", "tandem.tasks.frozenlake.reward:malformed_actions", weight=0.1, runner="inline"),
         ]
 
     def _training_seed(self, seed: int, position: int) -> int:

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerFast
 
-from tasks.frozenlake.tokenizer import EOT
+from tandem.tasks.frozenlake.tokenizer import EOT
 
 __all__ = ["TURN_TOKENS", "EncodedEpisode", "encode_episode", "transcript_text"]
 

@@ -12,8 +12,8 @@ import random
 from collections.abc import Iterator
 from pathlib import Path
 
-from core.records import TaskItem
-from core.task import RewardFunction, TrajectoryKind
+from tandem.core.records import TaskItem
+from tandem.core.task import RewardFunction, TrajectoryKind
 
 __all__ = ["HELD_OUT_SEED", "SyntheticTask", "exact_match", "make_task"]
 
@@ -43,7 +43,7 @@ class SyntheticTask:
         return list(itertools.islice(self.items(HELD_OUT_SEED), n))
 
     def rewards(self) -> list[RewardFunction]:
-        return [RewardFunction("exact_match", "tasks.synthetic:exact_match", runner="inline")]
+        return [RewardFunction("exact_match", "tandem.tasks.synthetic:exact_match", runner="inline")]
 
 
 def make_task() -> SyntheticTask:

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from itertools import islice
 
-from algorithms import PolicyObjective, compute_advantages
-from core.components import Components
-from core.config import TandemConfig
-from core.protocols import RolloutRequest
-from core.records import PromptGroup, TrajectoryGroup
-from state_machines.generate import request_seed
+from tandem.algorithms import PolicyObjective, compute_advantages
+from tandem.core.components import Components
+from tandem.core.config import TandemConfig
+from tandem.core.protocols import RolloutRequest
+from tandem.core.records import PromptGroup, TrajectoryGroup
+from tandem.state_machines.generate import request_seed
 
 
 async def synchronous_baseline(config: TandemConfig, components: Components) -> list[list[TrajectoryGroup]]:

@@ -9,16 +9,16 @@ from typing import Any
 
 import pytest
 
-from algorithms import PolicyObjective, compute_advantages
-from core.components import Components
-from core.config import TandemConfig, load_config
-from core.protocols import GenerationRequest, RolloutEngine, SamplingParams
-from core.records import FinishReason, PromptGroup, TaskItem, Trajectory, TrajectoryGroup
-from engines.agentic import AgentWorkflow, EpisodeEngine, EpisodePayload, turn_seed
-from pipeline import AsyncTrainingFlow
-from pipeline.builders import build_components
-from state_machines.generate import request_seed
-from tasks.frozenlake import HELD_OUT_MAPS, HELD_OUT_SEEDS, MODEL_DIR, FrozenLakeEnvironment, parse_action
+from tandem.algorithms import PolicyObjective, compute_advantages
+from tandem.core.components import Components
+from tandem.core.config import TandemConfig, load_config
+from tandem.core.protocols import GenerationRequest, RolloutEngine, SamplingParams
+from tandem.core.records import FinishReason, PromptGroup, TaskItem, Trajectory, TrajectoryGroup
+from tandem.engines.agentic import AgentWorkflow, EpisodeEngine, EpisodePayload, turn_seed
+from tandem.pipeline import AsyncTrainingFlow
+from tandem.pipeline.builders import build_components
+from tandem.state_machines.generate import request_seed
+from tandem.tasks.frozenlake import HELD_OUT_MAPS, HELD_OUT_SEEDS, MODEL_DIR, FrozenLakeEnvironment, parse_action
 from tests.integration.test_torch_flow import Recording, grouped, weights
 
 pytestmark = [
@@ -197,8 +197,8 @@ def held_out_success(model_path: Any, maps: int = HELD_OUT_MAPS) -> float:
     of them by default: layouts training never plays."""
     from transformers import AutoModelForCausalLM
 
-    from engines.tokenizer import load_tokenizer
-    from tasks.frozenlake.play import play, summarize
+    from tandem.engines.tokenizer import load_tokenizer
+    from tandem.tasks.frozenlake.play import play, summarize
 
     model = AutoModelForCausalLM.from_pretrained(model_path)
     return summarize(play(model, load_tokenizer(model_path), list(HELD_OUT_SEEDS[:maps]), sampling_seed=0)).success

@@ -8,11 +8,11 @@ from typing import Any
 
 import pytest
 
-from core.config import load_config
-from engines.tokenizer import load_tokenizer
-from pipeline import AsyncTrainingFlow
-from pipeline.builders import build_components
-from tasks.calculator import MODEL_DIR, TOOL_ERROR, parse_turn
+from tandem.core.config import load_config
+from tandem.engines.tokenizer import load_tokenizer
+from tandem.pipeline import AsyncTrainingFlow
+from tandem.pipeline.builders import build_components
+from tandem.tasks.calculator import MODEL_DIR, TOOL_ERROR, parse_turn
 from tests.integration.test_torch_flow import Recording
 
 pytestmark = [

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from algorithms.flow_grpo import (
+from tandem.algorithms.flow_grpo import (
     choose_sde_window,
     flow_grpo_loss,
     flow_match_sigmas,
@@ -24,16 +24,16 @@ from algorithms.flow_grpo import (
     transition_kl,
     transition_log_prob,
 )
-from core.config import TandemConfig, load_config, validate_config
-from core.protocols import LossObjective
-from core.records import Trajectory
-from pipeline import AsyncTrainingFlow
-from pipeline.builders import build_components
-from state_machines.generate import request_seed
-from tasks.digits import MODEL_DIR, make_task, parse_prompt
-from tasks.digits.models import DigitGenerator, load_generator
-from tasks.digits.reward import ocr_reward
-from tasks.digits.sampling import predict_velocity, sample_images
+from tandem.core.config import TandemConfig, load_config, validate_config
+from tandem.core.protocols import LossObjective
+from tandem.core.records import Trajectory
+from tandem.pipeline import AsyncTrainingFlow
+from tandem.pipeline.builders import build_components
+from tandem.state_machines.generate import request_seed
+from tandem.tasks.digits import MODEL_DIR, make_task, parse_prompt
+from tandem.tasks.digits.models import DigitGenerator, load_generator
+from tandem.tasks.digits.reward import ocr_reward
+from tandem.tasks.digits.sampling import predict_velocity, sample_images
 from tests.conftest import merge
 
 pytestmark = pytest.mark.slow

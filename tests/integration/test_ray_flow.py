@@ -14,12 +14,12 @@ from typing import Any
 import pytest
 import yaml
 
-from core.config import TandemConfig, apply_overrides, validate_config
-from core.protocols import GenerationRequest
-from core.records import Trajectory
-from pipeline import AsyncTrainingFlow
-from pipeline.builders import build_components
-from tasks.arithmetic import MODEL_DIR, generate_problems
+from tandem.core.config import TandemConfig, apply_overrides, validate_config
+from tandem.core.protocols import GenerationRequest
+from tandem.core.records import Trajectory
+from tandem.pipeline import AsyncTrainingFlow
+from tandem.pipeline.builders import build_components
+from tandem.tasks.arithmetic import MODEL_DIR, generate_problems
 from tests.conftest import wait_until_dead
 
 ray = pytest.importorskip("ray")
@@ -199,7 +199,7 @@ def test_a_killed_rollout_actor_is_replaced_and_every_prompt_is_trained_exactly_
 def test_past_the_restart_bound_the_run_stops_naming_the_actor_and_removes_every_actor(
     ray_cluster: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import pipeline.flow
+    import tandem.pipeline.flow
 
     cfg = ray_config(
         tmp_path, "run.max_steps=3", "train.prompts_per_step=4", "rollout.samples_per_prompt=4",
@@ -220,7 +220,7 @@ def test_past_the_restart_bound_the_run_stops_naming_the_actor_and_removes_every
         built.append(components)
         return components
 
-    monkeypatch.setattr(pipeline.flow, "build_components", build)
+    monkeypatch.setattr(tandem.pipeline.flow, "build_components", build)
     with pytest.raises(Exception, match=r"actor 'rollout-0'") as failure:
         asyncio.run(AsyncTrainingFlow(cfg).run())
     assert "'generate'" in str(failure.value) or "'param_update'" in str(failure.value)

@@ -23,9 +23,9 @@ import torch
 import yaml
 from transformers import AutoModelForCausalLM
 
-from engines.torch_components import PROJECT_ROOT
-from pipeline import AsyncTrainingFlow, load_config
-from tasks.arithmetic import MAX_RESPONSE_TOKENS, MODEL_DIR
+from tandem.core.paths import PACKAGE_ROOT
+from tandem.pipeline import AsyncTrainingFlow, load_config
+from tandem.tasks.arithmetic import MAX_RESPONSE_TOKENS, MODEL_DIR
 
 pytestmark = [
     pytest.mark.slow,
@@ -57,8 +57,8 @@ def write_config(tmp_path: Path) -> Path:
 
 def tandem(config: Path, *overrides: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-m", "pipeline.cli", "run", str(config), *overrides, "--no-progress"],
-        cwd=PROJECT_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [sys.executable, "-m", "tandem.pipeline.cli", "run", str(config), *overrides, "--no-progress"],
+        cwd=PACKAGE_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
 
 

@@ -14,11 +14,11 @@ from typing import Any
 
 import pytest
 
-from core.config import ConfigError, TandemConfig, load_config, validate_config
-from pipeline import AsyncTrainingFlow
-from pipeline.builders import build_components
-from pipeline.cli import CONFIGS_DIR
-from tasks.arithmetic import MAX_RESPONSE_TOKENS, MODEL_DIR
+from tandem.core.config import ConfigError, TandemConfig, load_config, validate_config
+from tandem.core.paths import CONFIGS_DIR
+from tandem.pipeline import AsyncTrainingFlow
+from tandem.pipeline.builders import build_components
+from tandem.tasks.arithmetic import MAX_RESPONSE_TOKENS, MODEL_DIR
 from tests.conftest import merge
 
 pytestmark = [
@@ -111,7 +111,7 @@ def test_an_openai_client_agent_named_in_the_config_trains_end_to_end(tmp_path: 
         "engines.servers.agent=tests.unit.engines.agents_for_tests:counted_solver",  # the shipped solver, counted
     ])
     assert load_config(CONFIGS_DIR / "arithmetic_openai_agent.yaml").engines.servers.agent == (
-        "tasks.arithmetic.openai_agent:solver")
+        "tandem.tasks.arithmetic.openai_agent:solver")
     before = len(COUNTED.entered_in)
 
     async def run_and_count() -> tuple[Any, int]:
@@ -127,7 +127,7 @@ def test_an_openai_client_agent_named_in_the_config_trains_end_to_end(tmp_path: 
 
 
 def test_an_agent_that_cannot_be_loaded_is_refused_before_any_server_starts(tmp_path: Path) -> None:
-    config = server_config(tmp_path, engines={"servers": {"agent": "tasks.arithmetic.openai_agent:no_such_agent"}})
+    config = server_config(tmp_path, engines={"servers": {"agent": "tandem.tasks.arithmetic.openai_agent:no_such_agent"}})
     with pytest.raises(ConfigError, match=r"engines.servers.agent: cannot import .*no_such_agent"):
         build_components(config)
     assert not list((tmp_path).rglob("server0.log"))  # no server was started

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from core.config import validate_config
-from pipeline import AsyncTrainingFlow
-from pipeline.builders import build_components
-from tasks.arithmetic import MAX_RESPONSE_TOKENS, MODEL_DIR, generate_problems
+from tandem.core.config import validate_config
+from tandem.pipeline import AsyncTrainingFlow
+from tandem.pipeline.builders import build_components
+from tandem.tasks.arithmetic import MAX_RESPONSE_TOKENS, MODEL_DIR, generate_problems
 from tests.integration.test_torch_flow import Recording, weights
 
 pytestmark = pytest.mark.slow
@@ -22,8 +22,8 @@ pytestmark = pytest.mark.slow
 USER_TASK = '''
 from pathlib import Path
 
-from core.task import RewardFunction
-from tasks.dataset import FileItems
+from tandem.core.task import RewardFunction
+from tandem.tasks.dataset import FileItems
 
 
 def final_answer(response, answer):

@@ -9,12 +9,12 @@ from typing import Any
 import pytest
 import torch
 
-from core.config import TandemConfig, validate_config
-from core.protocols import LossObjective, TrainEngine
-from core.records import Trajectory
-from pipeline import AsyncTrainingFlow
-from pipeline.builders import build_components
-from tasks.arithmetic import MAX_RESPONSE_TOKENS, MODEL_DIR
+from tandem.core.config import TandemConfig, validate_config
+from tandem.core.protocols import LossObjective, TrainEngine
+from tandem.core.records import Trajectory
+from tandem.pipeline import AsyncTrainingFlow
+from tandem.pipeline.builders import build_components
+from tandem.tasks.arithmetic import MAX_RESPONSE_TOKENS, MODEL_DIR
 from tests.conftest import merge
 from tests.integration.sync_baseline import synchronous_baseline
 
@@ -114,8 +114,8 @@ def test_k0_flow_reproduces_the_synchronous_loop() -> None:
 def greedy_accuracy(model_path: Any, problems: list) -> float:
     from transformers import AutoModelForCausalLM
 
-    from engines.tokenizer import load_tokenizer
-    from tasks.arithmetic.pretrain import evaluate
+    from tandem.engines.tokenizer import load_tokenizer
+    from tandem.tasks.arithmetic.pretrain import evaluate
 
     model = AutoModelForCausalLM.from_pretrained(model_path)
     return evaluate(model, load_tokenizer(model_path), problems, do_sample=False).accuracy
@@ -129,8 +129,8 @@ ON_CUDA = pytest.param(
 
 @pytest.mark.parametrize("device", ["cpu", ON_CUDA])
 def test_the_default_job_on_a_reduced_budget_raises_held_out_accuracy(tmp_path: Any, device: str) -> None:
-    from core.config import load_config
-    from tasks.arithmetic import generate_problems
+    from tandem.core.config import load_config
+    from tandem.tasks.arithmetic import generate_problems
 
     cfg = load_config(
         "configs/default.yaml",

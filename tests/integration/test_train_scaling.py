@@ -18,14 +18,14 @@ import torch
 import yaml
 from transformers import AutoModelForCausalLM
 
-from core.config import TandemConfig, apply_overrides, validate_config
-from core.protocols import LossObjective
-from core.records import Trajectory
-from engines.trainer_group import TrainerGroup
-from param_sync import unique_weights
-from pipeline import AsyncTrainingFlow
-from pipeline.builders import build_components
-from tasks.arithmetic import MODEL_DIR
+from tandem.core.config import TandemConfig, apply_overrides, validate_config
+from tandem.core.protocols import LossObjective
+from tandem.core.records import Trajectory
+from tandem.engines.trainer_group import TrainerGroup
+from tandem.param_sync import unique_weights
+from tandem.pipeline import AsyncTrainingFlow
+from tandem.pipeline.builders import build_components
+from tandem.tasks.arithmetic import MODEL_DIR
 
 pytestmark = [
     pytest.mark.slow,

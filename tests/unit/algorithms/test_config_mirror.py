@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import typing
 
-from algorithms import ADVANTAGE_ESTIMATORS, PROXIMAL_SOURCES
-from algorithms.corrections import CORRECTION_LEVELS
-from algorithms.kl import KL_ESTIMATORS
-from algorithms.losses import AGGREGATIONS, BEHAVIOUR_WEIGHT_MODES, EXACT_KL, POLICY_LOSSES, LossSettings
-from core.config import AlgorithmConfig
+from tandem.algorithms import ADVANTAGE_ESTIMATORS, PROXIMAL_SOURCES
+from tandem.algorithms.corrections import CORRECTION_LEVELS
+from tandem.algorithms.kl import KL_ESTIMATORS
+from tandem.algorithms.losses import AGGREGATIONS, BEHAVIOUR_WEIGHT_MODES, EXACT_KL, POLICY_LOSSES, LossSettings
+from tandem.core.config import AlgorithmConfig
 
 
 def literal_values(field: str) -> set[str]:

@@ -16,14 +16,14 @@ import math
 import pytest
 import torch
 
-from algorithms.corrections import (
+from tandem.algorithms.corrections import (
     CORRECTION_LEVELS,
     CORRECTION_MODES,
     behaviour_importance_weights,
     behaviour_weight_metrics,
     mismatch_metrics,
 )
-from algorithms.metrics import accumulate_metrics, merge_metric_sums
+from tandem.algorithms.metrics import accumulate_metrics, merge_metric_sums
 
 RATIOS = [[2.0, 100.0, 1.5, 0.25], [4.0, 1.0, 50.0, 50.0]]
 MASK = torch.tensor([[1.0, 0.0, 1.0, 1.0], [1.0, 1.0, 0.0, 0.0]])

@@ -8,7 +8,7 @@ import pytest
 import torch
 from scipy.stats import norm
 
-from algorithms.flow_grpo import (
+from tandem.algorithms.flow_grpo import (
     choose_sde_window,
     classifier_free_guidance,
     flow_grpo_loss,
@@ -237,8 +237,8 @@ def _exact_kl_settings(**overrides: object) -> object:
 def test_the_loss_adds_the_engines_exact_kl_over_the_trained_steps() -> None:
     # Flow-GRPO's KL term: the closed form the engine computed per (sample, step), weighted by kl_coef,
     # averaged like the policy loss over the trained steps only (mask), with its gradient.
-    from algorithms.batch import LossInputs
-    from algorithms.losses import EXACT_KL, compute_policy_loss
+    from tandem.algorithms.batch import LossInputs
+    from tandem.algorithms.losses import EXACT_KL, compute_policy_loss
 
     mean = torch.randn(2, 3, 1, 4, 4, requires_grad=True)
     ref_mean, std = torch.zeros(2, 3, 1, 4, 4), torch.tensor(0.5)
@@ -257,8 +257,8 @@ def test_the_loss_adds_the_engines_exact_kl_over_the_trained_steps() -> None:
 
 
 def test_the_exact_kl_must_come_from_the_engine_and_is_not_importance_weighted() -> None:
-    from algorithms.batch import LossInputs
-    from algorithms.losses import compute_policy_loss
+    from tandem.algorithms.batch import LossInputs
+    from tandem.algorithms.losses import compute_policy_loss
 
     zeros = torch.zeros(1, 2)
     logprobs = zeros.clone().requires_grad_()

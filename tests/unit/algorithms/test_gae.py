@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from algorithms.gae import clipped_value_loss, gae_advantages, outcome_token_rewards
+from tandem.algorithms.gae import clipped_value_loss, gae_advantages, outcome_token_rewards
 
 GAMMA, LAM = 0.9, 0.8
 

@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from algorithms.kl import (
+from tandem.algorithms.kl import (
     K3_MAX,
     KL_ESTIMATORS,
     KL_LOSS_ESTIMATORS,

@@ -13,10 +13,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from algorithms.batch import LossInputs
-from algorithms.gae import ValueInputs, clipped_value_loss, whiten
-from algorithms.objective import PolicyObjective, ValueObjective
-from core.config import AlgorithmConfig
+from tandem.algorithms.batch import LossInputs
+from tandem.algorithms.gae import ValueInputs, clipped_value_loss, whiten
+from tandem.algorithms.objective import PolicyObjective, ValueObjective
+from tandem.core.config import AlgorithmConfig
 
 
 def inputs(logprobs: torch.Tensor, prox: torch.Tensor | None) -> LossInputs:

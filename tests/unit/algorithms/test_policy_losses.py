@@ -21,15 +21,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from algorithms.batch import LossInputs
-from algorithms.losses import (
+from tandem.algorithms.batch import LossInputs
+from tandem.algorithms.losses import (
     POLICY_LOSSES,
     LossSettings,
     aggregate_loss,
     compute_policy_loss,
     get_policy_loss,
 )
-from core.config import AlgorithmConfig
+from tandem.core.config import AlgorithmConfig
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from algorithms.prox import loglinear_prox_logprobs
+from tandem.algorithms.prox import loglinear_prox_logprobs
 
 BEHAVIOUR = torch.tensor([[-2.0, -2.0, -2.0, -4.0]])
 CURRENT = torch.tensor([[-1.0, -1.0, -1.0, -3.0]])

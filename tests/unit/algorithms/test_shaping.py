@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from algorithms.shaping import has_reward_variance, soft_overlong_penalty
+from tandem.algorithms.shaping import has_reward_variance, soft_overlong_penalty
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from core.environment import EnvironmentRunner, EpisodeFailure, StepResult
+from tandem.core.environment import EnvironmentRunner, EpisodeFailure, StepResult
 
 
 class CountdownEnvironment:

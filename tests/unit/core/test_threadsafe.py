@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 
-from core.threadsafe import post_to_loop
+from tandem.core.threadsafe import post_to_loop
 
 
 def test_a_value_posted_from_a_thread_runs_on_the_loop() -> None:

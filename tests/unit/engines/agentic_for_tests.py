@@ -13,9 +13,9 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from core.environment import EnvironmentFactory, StepResult
-from core.records import TaskItem
-from core.task import RewardFunction, TrajectoryKind
+from tandem.core.environment import EnvironmentFactory, StepResult
+from tandem.core.records import TaskItem
+from tandem.core.task import RewardFunction, TrajectoryKind
 
 HANG_S = 2.0  # how long a hanging step sleeps: past any timeout the tests set, short enough to free its thread
 

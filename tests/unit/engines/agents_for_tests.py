@@ -7,7 +7,7 @@ import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from core.protocols import Agent, AgentRun, AgentSession
+from tandem.core.protocols import Agent, AgentRun, AgentSession
 
 
 async def one_completion(run: AgentRun) -> None:
@@ -61,7 +61,7 @@ COUNTED = SessionLog()
 @contextlib.asynccontextmanager
 async def counted_solver() -> AsyncIterator[Agent]:
     """The shipped arithmetic agent's session, logged in :data:`COUNTED` (needs ``openai``)."""
-    from tasks.arithmetic.openai_agent import solver
+    from tandem.tasks.arithmetic.openai_agent import solver
 
     COUNTED.entered_in.append(asyncio.current_task())
     try:

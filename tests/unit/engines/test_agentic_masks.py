@@ -9,15 +9,15 @@ from typing import Any
 import torch
 from agentic_for_tests import ScriptedEnvironment, first_observation
 
-from algorithms import PolicyObjective
-from core.config import AlgorithmConfig
-from core.environment import EnvironmentRunner
-from core.protocols import RolloutRequest, SamplingParams
-from core.records import PromptGroup, TaskItem, Trajectory
-from engines.agentic import EnvironmentManager, WorkflowContext
-from engines.hf_rollout import HFRolloutEngine
-from engines.tokenizer import load_tokenizer
-from engines.torch_train import TorchTrainEngine
+from tandem.algorithms import PolicyObjective
+from tandem.core.config import AlgorithmConfig
+from tandem.core.environment import EnvironmentRunner
+from tandem.core.protocols import RolloutRequest, SamplingParams
+from tandem.core.records import PromptGroup, TaskItem, Trajectory
+from tandem.engines.agentic import EnvironmentManager, WorkflowContext
+from tandem.engines.hf_rollout import HFRolloutEngine
+from tandem.engines.tokenizer import load_tokenizer
+from tandem.engines.torch_train import TorchTrainEngine
 
 
 async def episodes(model_dir: Path, seeds: list[int]) -> list[Trajectory]:

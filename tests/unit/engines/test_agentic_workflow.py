@@ -10,11 +10,11 @@ from typing import Any
 import pytest
 from tiny_lm import EOS_ID, decode, encode
 
-from core.config import ConfigError, validate_config
-from core.environment import EpisodeFailure
-from core.protocols import GenerationRequest, RolloutRequest, RolloutWorkflow, SamplingParams
-from core.records import FinishReason, PromptGroup, TaskItem, Trajectory, token_trajectory
-from engines.agentic import (
+from tandem.core.config import ConfigError, validate_config
+from tandem.core.environment import EpisodeFailure
+from tandem.core.protocols import GenerationRequest, RolloutRequest, RolloutWorkflow, SamplingParams
+from tandem.core.records import FinishReason, PromptGroup, TaskItem, Trajectory, token_trajectory
+from tandem.engines.agentic import (
     WORKFLOWS,
     AgentWorkflow,
     Completion,
@@ -24,7 +24,7 @@ from engines.agentic import (
     load_workflow,
     turn_seed,
 )
-from engines.text_workflow import SingleTurnWorkflow
+from tandem.engines.text_workflow import SingleTurnWorkflow
 
 
 class CharTokenizer:

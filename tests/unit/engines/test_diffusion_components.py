@@ -12,16 +12,16 @@ import numpy as np
 import pytest
 import torch
 
-from algorithms import PolicyObjective
-from core.config import AlgorithmConfig, ConfigError, validate_config
-from core.records import Trajectory
-from engines.diffusion.components import build_image_components
-from engines.diffusion.rollout import DenoiseRequest, DiffusionRolloutEngine
-from engines.diffusion.train import DiffusionTrainEngine
-from engines.diffusion.workflow import ImageWorkflow
-from engines.torch_sync import TorchWeightSync, TrainerSyncSource
-from param_sync import InProcessTransport, ParamSyncer, Receiver
-from pipeline.builders import build_components, with_task_model
+from tandem.algorithms import PolicyObjective
+from tandem.core.config import AlgorithmConfig, ConfigError, validate_config
+from tandem.core.records import Trajectory
+from tandem.engines.diffusion.components import build_image_components
+from tandem.engines.diffusion.rollout import DenoiseRequest, DiffusionRolloutEngine
+from tandem.engines.diffusion.train import DiffusionTrainEngine
+from tandem.engines.diffusion.workflow import ImageWorkflow
+from tandem.engines.torch_sync import TorchWeightSync, TrainerSyncSource
+from tandem.param_sync import InProcessTransport, ParamSyncer, Receiver
+from tandem.pipeline.builders import build_components, with_task_model
 from tests.conftest import merge
 
 DIGITS: dict[str, Any] = {
@@ -91,7 +91,7 @@ def test_the_config_rules_of_the_exact_kl_and_the_sde_window() -> None:
 
 
 def test_with_reward_off_is_refused_where_the_workflow_cannot_honour_it() -> None:
-    from tasks.arithmetic import MODEL_DIR as TEXT_MODEL
+    from tandem.tasks.arithmetic import MODEL_DIR as TEXT_MODEL
 
     text = validate_config({
         "task": {"name": "arithmetic"}, "engines": {"type": "torch", "model_path": str(TEXT_MODEL)},
@@ -109,8 +109,8 @@ def test_with_reward_off_is_refused_where_the_workflow_cannot_honour_it() -> Non
 
 
 def _setup() -> Any:
-    from core.components import TaskSetup
-    from tasks.digits import make_task
+    from tandem.core.components import TaskSetup
+    from tandem.tasks.digits import make_task
 
     task = make_task()
     return TaskSetup(task, task.items, reward=None)  # type: ignore[arg-type]
@@ -123,7 +123,7 @@ def tiny_sd3_folder(folder: Path) -> Path:
     """A random SD3 transformer (16 latent channels), an AutoencoderKL with SD3's scaling and shift, the digits prompt encoder."""
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
 
-    from tasks.digits.models import DigitPromptEncoder
+    from tandem.tasks.digits.models import DigitPromptEncoder
 
     torch.manual_seed(0)
     SD3Transformer2DModel(
@@ -144,7 +144,7 @@ def tiny_sd3_folder(folder: Path) -> Path:
         "transformer": ["diffusers", "SD3Transformer2DModel"],
         "vae": ["diffusers", "AutoencoderKL"],
         "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
-        "prompt_encoder": ["tasks.digits.models", "DigitPromptEncoder"],
+        "prompt_encoder": ["tandem.tasks.digits.models", "DigitPromptEncoder"],
     }
     (folder / "model_index.json").write_text(json.dumps(index))
     return folder

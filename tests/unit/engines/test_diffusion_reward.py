@@ -13,11 +13,11 @@ import time
 import numpy as np
 import pytest
 
-from core.protocols import RewardResult
-from core.records import FinishReason, PromptGroup, TaskItem, Trajectory
-from core.task import RewardFunction
-from engines.rewards import TaskReward
-from tasks.digits.reward import ocr
+from tandem.core.protocols import RewardResult
+from tandem.core.records import FinishReason, PromptGroup, TaskItem, Trajectory
+from tandem.core.task import RewardFunction
+from tandem.engines.rewards import TaskReward
+from tandem.tasks.digits.reward import ocr
 
 THIS = "tests.unit.engines.test_diffusion_reward"
 
@@ -37,7 +37,7 @@ def hanging_judge(response: np.ndarray, answer: str | None) -> float:
 
 
 def image_trajectories(images: np.ndarray, digits: list[int], cost: float = 0.0) -> tuple[list[Trajectory], list[PromptGroup]]:
-    from engines.diffusion.payload import ImagePayload
+    from tandem.engines.diffusion.payload import ImagePayload
 
     trajectories, groups = [], []
     for i, (image, digit) in enumerate(zip(images, digits)):
@@ -50,14 +50,14 @@ def image_trajectories(images: np.ndarray, digits: list[int], cost: float = 0.0)
 
 @pytest.fixture(scope="module")
 def heldout() -> tuple[np.ndarray, np.ndarray]:
-    from tasks.digits.data import load_split
+    from tandem.tasks.digits.data import load_split
 
     images, labels = load_split("heldout")
     return images[:8], labels[:8]
 
 
 def render() -> object:
-    from pipeline.builders import RENDERERS
+    from tandem.pipeline.builders import RENDERERS
 
     return RENDERERS["image"]
 
@@ -73,7 +73,7 @@ def score(reward: TaskReward, trajectories: list[Trajectory], groups: list[Promp
 def test_the_digits_rewards_score_the_rendered_image_wherever_they_run(
     runner: str, heldout: tuple[np.ndarray, np.ndarray]
 ) -> None:
-    from tasks.digits import make_task
+    from tandem.tasks.digits import make_task
 
     images, labels = heldout
     task = make_task(ink_weight=-0.5, judge=runner)  # type: ignore[arg-type]
@@ -105,7 +105,7 @@ def test_a_judge_that_crashes_or_hangs_fails_only_its_samples(judge: str, heldou
 def test_a_slow_judge_costs_its_configured_seconds_per_image(heldout: tuple[np.ndarray, np.ndarray]) -> None:
     images, labels = heldout
     fast, slow = (image_trajectories(images[:4], labels[:4].tolist(), cost) for cost in (0.0, 0.25))
-    function = [RewardFunction("ocr", "tasks.digits.reward:ocr", runner="inline")]
+    function = [RewardFunction("ocr", "tandem.tasks.digits.reward:ocr", runner="inline")]
     started = time.perf_counter()
     quick = score(TaskReward(function, render()), *fast)
     middle = time.perf_counter()

@@ -8,14 +8,14 @@ import numpy as np
 import pytest
 import torch
 
-from algorithms.flow_grpo import sde_transition, transition_log_prob
-from core.records import FinishReason, Trajectory
-from engines.diffusion.model import guided_velocity
-from engines.diffusion.payload import ImagePayload, image_payload
-from engines.diffusion.rollout import DenoiseRequest, DiffusionRolloutEngine, EngineClosedError
-from tasks.digits import MODEL_DIR, format_prompt
-from tasks.digits.models import load_generator as load_digit_generator
-from tasks.digits.sampling import sample_images
+from tandem.algorithms.flow_grpo import sde_transition, transition_log_prob
+from tandem.core.records import FinishReason, Trajectory
+from tandem.engines.diffusion.model import guided_velocity
+from tandem.engines.diffusion.payload import ImagePayload, image_payload
+from tandem.engines.diffusion.rollout import DenoiseRequest, DiffusionRolloutEngine, EngineClosedError
+from tandem.tasks.digits import MODEL_DIR, format_prompt
+from tandem.tasks.digits.models import load_generator as load_digit_generator
+from tandem.tasks.digits.sampling import sample_images
 
 GUIDANCE = 1.5
 NOISE = 0.7

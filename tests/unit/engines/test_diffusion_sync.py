@@ -11,14 +11,14 @@ import numpy as np
 import pytest
 import torch
 
-from algorithms import PolicyObjective
-from core.config import AlgorithmConfig
-from core.records import Trajectory
-from engines.diffusion.rollout import DenoiseRequest, DiffusionRolloutEngine
-from engines.diffusion.train import DiffusionTrainEngine
-from engines.torch_sync import TorchWeightSync, TrainerSyncSource
-from param_sync import InProcessTransport, ParamSyncer, Receiver
-from tasks.digits import MODEL_DIR, format_prompt
+from tandem.algorithms import PolicyObjective
+from tandem.core.config import AlgorithmConfig
+from tandem.core.records import Trajectory
+from tandem.engines.diffusion.rollout import DenoiseRequest, DiffusionRolloutEngine
+from tandem.engines.diffusion.train import DiffusionTrainEngine
+from tandem.engines.torch_sync import TorchWeightSync, TrainerSyncSource
+from tandem.param_sync import InProcessTransport, ParamSyncer, Receiver
+from tandem.tasks.digits import MODEL_DIR, format_prompt
 
 STEPS = 40
 

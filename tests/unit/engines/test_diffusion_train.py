@@ -12,17 +12,17 @@ import pytest
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from algorithms import PolicyObjective
-from algorithms.batch import LossInputs
-from algorithms.flow_grpo import sde_transition, transition_kl
-from algorithms.losses import compute_policy_loss
-from core.config import AlgorithmConfig
-from core.records import Trajectory
-from engines.diffusion.model import guided_velocity, load_generator
-from engines.diffusion.payload import image_payload
-from engines.diffusion.rollout import DenoiseRequest, DiffusionRolloutEngine
-from engines.diffusion.train import DiffusionTrainEngine
-from tasks.digits import MODEL_DIR, format_prompt
+from tandem.algorithms import PolicyObjective
+from tandem.algorithms.batch import LossInputs
+from tandem.algorithms.flow_grpo import sde_transition, transition_kl
+from tandem.algorithms.losses import compute_policy_loss
+from tandem.core.config import AlgorithmConfig
+from tandem.core.records import Trajectory
+from tandem.engines.diffusion.model import guided_velocity, load_generator
+from tandem.engines.diffusion.payload import image_payload
+from tandem.engines.diffusion.rollout import DenoiseRequest, DiffusionRolloutEngine
+from tandem.engines.diffusion.train import DiffusionTrainEngine
+from tandem.tasks.digits import MODEL_DIR, format_prompt
 
 GUIDANCE = 1.5
 NOISE = 0.7

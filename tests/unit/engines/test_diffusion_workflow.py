@@ -9,12 +9,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from core.protocols import RolloutRequest
-from core.records import FinishReason, PromptGroup, TaskItem, Trajectory
-from engines.diffusion.grid import image_grid
-from engines.diffusion.payload import ImagePayload
-from engines.diffusion.rollout import DenoiseRequest
-from engines.diffusion.workflow import ImageWorkflow
+from tandem.core.protocols import RolloutRequest
+from tandem.core.records import FinishReason, PromptGroup, TaskItem, Trajectory
+from tandem.engines.diffusion.grid import image_grid
+from tandem.engines.diffusion.payload import ImagePayload
+from tandem.engines.diffusion.rollout import DenoiseRequest
+from tandem.engines.diffusion.workflow import ImageWorkflow
 
 
 class ScriptedEngine:

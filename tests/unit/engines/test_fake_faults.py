@@ -7,12 +7,12 @@ import asyncio
 
 import pytest
 
-from algorithms import PolicyObjective
-from core.config import AlgorithmConfig
-from core.protocols import RolloutRequest
-from core.records import FinishReason, PromptGroup, TaskItem, TrajectoryGroup, token_trajectory
-from engines.fake import InjectedFault
-from pipeline.builders import build_components
+from tandem.algorithms import PolicyObjective
+from tandem.core.config import AlgorithmConfig
+from tandem.core.protocols import RolloutRequest
+from tandem.core.records import FinishReason, PromptGroup, TaskItem, TrajectoryGroup, token_trajectory
+from tandem.engines.fake import InjectedFault
+from tandem.pipeline.builders import build_components
 from tests.conftest import make_config, run_virtual
 
 FIXED = {"type": "constant", "mean_s": 1.0}
@@ -86,7 +86,7 @@ def test_a_fault_spec_with_zero_rates_changes_nothing() -> None:
 
 
 def test_an_unknown_fault_role_is_named() -> None:
-    from core.config import ConfigError
+    from tandem.core.config import ConfigError
 
     with pytest.raises(ConfigError, match="engines.fake.faults.rollout"):
         make_config(engines={"faults": {"rollout": {"failure_rate": 0.1}}})

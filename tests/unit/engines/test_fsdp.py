@@ -24,15 +24,15 @@ from test_torch_train import Objective, make_batch, pg, pg_loss
 from tiny_lm import save_tiny_model
 from transformers import AutoModelForCausalLM
 
-from algorithms import PolicyObjective
-from algorithms.batch import LossInputs
-from algorithms.objective import LossMeanOver
-from core.config import AlgorithmConfig
-from core.protocols import TrainEngine
-from core.records import Trajectory
-from engines.torch_train import TorchTrainEngine
-from engines.trainer_group import RankSpec, TrainerGroup, TrainRankError
-from param_sync import unique_weights
+from tandem.algorithms import PolicyObjective
+from tandem.algorithms.batch import LossInputs
+from tandem.algorithms.objective import LossMeanOver
+from tandem.core.config import AlgorithmConfig
+from tandem.core.protocols import TrainEngine
+from tandem.core.records import Trajectory
+from tandem.engines.torch_train import TorchTrainEngine
+from tandem.engines.trainer_group import RankSpec, TrainerGroup, TrainRankError
+from tandem.param_sync import unique_weights
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

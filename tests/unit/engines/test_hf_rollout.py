@@ -11,11 +11,11 @@ import pytest
 import torch
 from tiny_lm import EOS_ID, decode, encode
 
-from core.protocols import GenerationRequest, RolloutEngine, SamplingParams
-from core.records import FinishReason, ResumePolicy, Trajectory
-from engines.hf_rollout import EngineClosedError, HFRolloutEngine
-from engines.torch_train import TorchLogProbEngine
-from param_sync import SyncError
+from tandem.core.protocols import GenerationRequest, RolloutEngine, SamplingParams
+from tandem.core.records import FinishReason, ResumePolicy, Trajectory
+from tandem.engines.hf_rollout import EngineClosedError, HFRolloutEngine
+from tandem.engines.torch_train import TorchLogProbEngine
+from tandem.param_sync import SyncError
 from tests.unit.engines.weights_for_tests import push, push_from_inside_a_step
 
 PROMPTS = ["1+2=", "34+5=", "6=", "78+90=", "b", "12+3=", "c+d=", "4"]

@@ -23,9 +23,9 @@ from test_fsdp import max_weight_diff
 from test_torch_train import make_batch, pg_loss
 from transformers import AutoModelForCausalLM
 
-from engines.torch_train import TorchTrainEngine
-from engines.trainer_group import RankSpec, TrainerGroup
-from param_sync import unique_weights
+from tandem.engines.torch_train import TorchTrainEngine
+from tandem.engines.trainer_group import RankSpec, TrainerGroup
+from tandem.param_sync import unique_weights
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

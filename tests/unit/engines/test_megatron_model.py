@@ -27,10 +27,10 @@ import torch
 import torch.multiprocessing as mp
 from test_megatron_convert import hf_model
 
-from engines.megatron.convert import build_gpt_model, gather_hf_tensors, load_hf_weights
-from engines.megatron.model import response_logprobs
-from engines.megatron.parallel import model_parallel
-from param_sync import unique_weights
+from tandem.engines.megatron.convert import build_gpt_model, gather_hf_tensors, load_hf_weights
+from tandem.engines.megatron.model import response_logprobs
+from tandem.engines.megatron.parallel import model_parallel
+from tandem.param_sync import unique_weights
 
 CPU = torch.device("cpu")
 TEMPERATURE = 0.7

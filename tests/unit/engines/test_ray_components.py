@@ -11,14 +11,14 @@ from typing import Any
 
 import pytest
 
-from core.config import LatencySpec
-from core.protocols import GenerationRequest, RolloutRequest, SamplingParams
-from core.records import PromptGroup, TaskItem, Trajectory
-from engines.fake import FakeRolloutEngine, LatencySampler
+from tandem.core.config import LatencySpec
+from tandem.core.protocols import GenerationRequest, RolloutRequest, SamplingParams
+from tandem.core.records import PromptGroup, TaskItem, Trajectory
+from tandem.engines.fake import FakeRolloutEngine, LatencySampler
 
 ray = pytest.importorskip("ray")
 
-from engines.ray_components import ActorFailedError, ActorRef, RayRolloutEngine
+from tandem.engines.ray_components import ActorFailedError, ActorRef, RayRolloutEngine
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import tests
 

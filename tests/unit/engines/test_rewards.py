@@ -8,9 +8,9 @@ import time
 
 import pytest
 
-from core.records import FinishReason, PromptGroup, TaskItem, Trajectory, token_trajectory
-from core.task import RewardFunction
-from engines.rewards import TaskReward
+from tandem.core.records import FinishReason, PromptGroup, TaskItem, Trajectory, token_trajectory
+from tandem.core.task import RewardFunction
+from tandem.engines.rewards import TaskReward
 
 FN = "tests.unit.engines.rewards_for_tests"
 

@@ -14,13 +14,13 @@ from typing import Any
 
 import pytest
 
-from core.components import Components
-from core.config import ConfigError
-from core.protocols import RolloutRequest
-from core.records import PromptGroup, TaskItem
-from engines.server import agent as agent_module
-from engines.server.agent import OpenAIAgentWorkflow
-from engines.server.schemas import ConversationRecord
+from tandem.core.components import Components
+from tandem.core.config import ConfigError
+from tandem.core.protocols import RolloutRequest
+from tandem.core.records import PromptGroup, TaskItem
+from tandem.engines.server import agent as agent_module
+from tandem.engines.server.agent import OpenAIAgentWorkflow
+from tandem.engines.server.schemas import ConversationRecord
 from tests.unit.engines.agents_for_tests import SessionLog, failing_session, recording_session, yields_no_agent
 
 

@@ -13,7 +13,7 @@ import aiohttp
 import pytest
 from tiny_lm import encode
 
-from engines.server.schemas import (
+from tandem.engines.server.schemas import (
     AbortReq,
     GenerateReqInput,
     GenerateResponse,
@@ -24,7 +24,7 @@ from engines.server.schemas import (
     UpdateWeightFromDiskReqInput,
     UpdateWeightsFromTensorReqInput,
 )
-from engines.torch_train import TorchLogProbEngine
+from tandem.engines.torch_train import TorchLogProbEngine
 from tests.unit.engines.test_server_support import served
 
 LONG = 400  # tokens: long enough to be caught running
@@ -171,7 +171,7 @@ async def test_update_weights_from_disk_serves_the_new_weights_from_then_on(mode
     gen = GenerateResponse.model_validate(out)
     assert gen.meta_info.output_token_versions == [1] * 8
     # The log-probs are the new weights' (the trainer's scoring of the same tokens agrees).
-    from core.records import FinishReason, token_trajectory
+    from tandem.core.records import FinishReason, token_trajectory
 
     trajectory = token_trajectory(0, 0, prompt, gen.output_ids, [lp for lp, _, _ in gen.meta_info.output_token_logprobs],
                                   [1] * 8, FinishReason.LENGTH)
@@ -195,7 +195,7 @@ async def test_update_weights_from_tensor_is_answered_in_sglangs_format(model_di
 async def test_init_weights_update_group_reports_a_failed_rendezvous(model_dir: Path) -> None:
     """Nobody hosts the rendezvous: the server says so in sglang's format (a successful group
     is formed in test_server_weights.py, by the dist transport)."""
-    from engines.server.weights import free_port
+    from tandem.engines.server.weights import free_port
 
     body = {"master_address": "127.0.0.1", "master_port": free_port(), "rank_offset": 1, "world_size": 2,
             "group_name": "g", "backend": "gloo"}

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from core.config import ConfigError, TandemConfig, validate_config
+from tandem.core.config import ConfigError, TandemConfig, validate_config
 from tests.conftest import merge
 from tests.unit.engines import agents_for_tests
 
@@ -66,19 +66,19 @@ def test_restarts_with_sync_retries_are_accepted() -> None:
 
 
 def test_an_agent_is_loaded_by_path_as_a_session_or_an_async_function() -> None:
-    from engines.server.agent import load_agent
+    from tandem.engines.server.agent import load_agent
 
     pytest.importorskip("openai")
-    from tasks.arithmetic.openai_agent import solver
+    from tandem.tasks.arithmetic.openai_agent import solver
 
-    assert load_agent("tasks.arithmetic.openai_agent:solver") is solver  # an asynccontextmanager function
+    assert load_agent("tandem.tasks.arithmetic.openai_agent:solver") is solver  # an asynccontextmanager function
 
     async def enter_plain() -> object:  # an async function is a session that holds nothing
         async with load_agent(f"{AGENTS}:one_completion")() as agent:
             return agent
 
     assert asyncio.run(enter_plain()) is agents_for_tests.one_completion
-    with pytest.raises(ConfigError, match="engines.servers.agent: 'tasks.arithmetic:make_task' is neither an async function"):
-        load_agent("tasks.arithmetic:make_task")
+    with pytest.raises(ConfigError, match="engines.servers.agent: 'tandem.tasks.arithmetic:make_task' is neither"):
+        load_agent("tandem.tasks.arithmetic:make_task")
     with pytest.raises(ConfigError, match="engines.servers.agent: cannot import 'no_such_module:solve'"):
         load_agent("no_such_module:solve")

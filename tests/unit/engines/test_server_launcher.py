@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from core.config import validate_config
-from engines.server.components import server_fleet
-from engines.server.launcher import ServerFleet, ServerLaunchError, ServerSpec, sglang_command, tandem_command
-from engines.server.weights import free_port
+from tandem.core.config import validate_config
+from tandem.engines.server.components import server_fleet
+from tandem.engines.server.launcher import ServerFleet, ServerLaunchError, ServerSpec, sglang_command, tandem_command
+from tandem.engines.server.weights import free_port
 
 # Answers /health 503 for DELAY seconds, then 200; exits after LIFE seconds (sglang's readiness, faked).
 STAND_IN = textwrap.dedent("""
@@ -90,7 +90,7 @@ def test_sglang_servers_are_sglangs_own_launcher_one_per_gpu(tmp_path: Path) -> 
 def test_tandem_servers_run_tandem_serve_with_the_engines_settings() -> None:
     command = tandem_command("/m", "127.0.0.1", 5, name="server0", threads=1, max_batch_size=64, resume_policy="recompute",
                              dtype="float32", device="cpu", consume_bucket_mb=64)
-    assert command[1:4] == ["-m", "pipeline.cli", "serve"]
+    assert command[1:4] == ["-m", "tandem.pipeline.cli", "serve"]
     args = dict(zip(command[4::2], command[5::2]))
     assert args == {"--model-path": "/m", "--host": "127.0.0.1", "--port": "5", "--name": "server0", "--threads": "1",
                     "--max-batch-size": "64", "--resume-policy": "recompute", "--dtype": "float32", "--device": "cpu",
@@ -166,7 +166,7 @@ def test_no_server_outlives_a_driver_killed_with_sigkill(tmp_path: Path) -> None
     driver.write_text(textwrap.dedent(f"""
         import sys, time
         sys.path.insert(0, {str(Path(__file__).resolve().parents[3])!r})
-        from engines.server.launcher import ServerFleet, ServerSpec
+        from tandem.engines.server.launcher import ServerFleet, ServerSpec
         specs = [ServerSpec(f"s{{i}}", [sys.executable, "-c", "import time; time.sleep(600)"], "http://127.0.0.1:1",
                             __import__("pathlib").Path({str(tmp_path)!r}) / f"s{{i}}.log") for i in range(2)]
         fleet = ServerFleet(specs, startup_timeout_s=60, max_restarts=0)

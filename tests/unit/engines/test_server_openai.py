@@ -11,12 +11,12 @@ from tiny_lm import decode, encode
 
 openai = pytest.importorskip("openai")
 
-from core.protocols import AgentRun, RolloutRequest
-from core.records import PromptGroup, TaskItem
-from engines.server.agent import OpenAIAgentWorkflow, agent_session, records_to_trajectory
-from engines.server.client import ServerClient
-from engines.server.router import ServerRolloutEngine, running
-from engines.torch_train import TorchLogProbEngine
+from tandem.core.protocols import AgentRun, RolloutRequest
+from tandem.core.records import PromptGroup, TaskItem
+from tandem.engines.server.agent import OpenAIAgentWorkflow, agent_session, records_to_trajectory
+from tandem.engines.server.client import ServerClient
+from tandem.engines.server.router import ServerRolloutEngine, running
+from tandem.engines.torch_train import TorchLogProbEngine
 from tests.unit.engines.test_server_support import served
 
 # Renders a conversation in the tiny vocabulary: each user turn ends with "=", answers follow.
@@ -102,7 +102,7 @@ async def test_a_multi_turn_chat_becomes_one_trajectory_the_trainer_scores_alike
 
 
 def test_a_conversation_that_rewrites_its_history_is_refused() -> None:
-    from engines.server.schemas import ConversationRecord
+    from tandem.engines.server.schemas import ConversationRecord
 
     def rec(prompt: list[int], out: list[int]) -> ConversationRecord:
         return ConversationRecord(conversation_id="x", request_id="r", prompt_ids=prompt, output_ids=out,

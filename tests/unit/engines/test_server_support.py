@@ -12,9 +12,9 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from engines.server.app import RolloutServer, serve
-from engines.server.launcher import ServerFleet, ServerSpec, tandem_command
-from engines.server.weights import free_port
+from tandem.engines.server.app import RolloutServer, serve
+from tandem.engines.server.launcher import ServerFleet, ServerSpec, tandem_command
+from tandem.engines.server.weights import free_port
 
 
 @contextlib.asynccontextmanager

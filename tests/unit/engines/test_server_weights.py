@@ -13,8 +13,17 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engines.server.weights import DiskTransport, HttpDistTransport, HttpShmTransport
-from param_sync import BucketHeader, BufferHalf, LoadReport, Manifest, ModuleSource, ParamSyncer, TransferError, unique_weights
+from tandem.engines.server.weights import DiskTransport, HttpDistTransport, HttpShmTransport
+from tandem.param_sync import (
+    BucketHeader,
+    BufferHalf,
+    LoadReport,
+    Manifest,
+    ModuleSource,
+    ParamSyncer,
+    TransferError,
+    unique_weights,
+)
 from tests.unit.engines.test_server_support import launched, served
 
 
@@ -79,7 +88,7 @@ async def test_a_corrupt_bucket_is_refused_and_the_old_weights_keep_serving(mode
 
 
 async def test_a_server_that_cannot_be_reached_gets_a_failed_report(model_dir: Path, v1_model_dir: Path) -> None:
-    from engines.server.weights import free_port
+    from tandem.engines.server.weights import free_port
 
     async with served(model_dir) as (server, url):
         gone = f"http://127.0.0.1:{free_port()}"
@@ -166,9 +175,9 @@ async def test_a_corrupted_checkpoint_is_refused(model_dir: Path, v1_model_dir: 
     """A file whose bytes no longer match the trainer's checksums (torn, or rewritten) never loads."""
     import json
 
-    from engines.server.receive import CHECKSUMS_KEY, LAYOUT_KEY
-    from engines.server.schemas import manifest_to_json
-    from engines.server.weights import post_json, write_safetensors
+    from tandem.engines.server.receive import CHECKSUMS_KEY, LAYOUT_KEY
+    from tandem.engines.server.schemas import manifest_to_json
+    from tandem.engines.server.weights import post_json, write_safetensors
 
     source = trainer_source(v1_model_dir)
     async with served(model_dir) as (server, url):

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from engines.tokenizer import load_tokenizer
-from tasks.arithmetic import MODEL_DIR, format_prompt
-from tasks.arithmetic.tokenizer import build_tokenizer
+from tandem.engines.tokenizer import load_tokenizer
+from tandem.tasks.arithmetic import MODEL_DIR, format_prompt
+from tandem.tasks.arithmetic.tokenizer import build_tokenizer
 
 pytestmark = pytest.mark.skipif(not (MODEL_DIR / "tokenizer.json").is_file(), reason="the shipped model is missing")
 

@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from core.config import ConfigError, TandemConfig, validate_config
-from engines.tokenizer import load_tokenizer
-from engines.torch_components import prompt_budget, thread_budgets, tokenized, tokenized_held_out
-from pipeline.builders import build_components
-from tasks.arithmetic import MODEL_DIR
-from tasks.dataset import FileItems
-from tasks.registry import load_task
+from tandem.core.config import ConfigError, TandemConfig, validate_config
+from tandem.engines.tokenizer import load_tokenizer
+from tandem.engines.torch_components import prompt_budget, thread_budgets, tokenized, tokenized_held_out
+from tandem.pipeline.builders import build_components
+from tandem.tasks.arithmetic import MODEL_DIR
+from tandem.tasks.dataset import FileItems
+from tandem.tasks.registry import load_task
 
 
 def file_prompts(path: Path, tokenizer: object) -> object:
@@ -116,8 +116,8 @@ def test_a_tokenizer_that_does_not_belong_to_the_model_is_named(tmp_path: Path) 
 
 
 def test_the_held_out_set_is_the_problems_pretraining_reported_on_tokenized() -> None:
-    from tasks.arithmetic import generate_problems
-    from tasks.arithmetic.pretrain import REPORT_SEED
+    from tandem.tasks.arithmetic import generate_problems
+    from tandem.tasks.arithmetic.pretrain import REPORT_SEED
 
     tokenizer = load_tokenizer(str(MODEL_DIR))
     held_out = tokenized_held_out(load_task("arithmetic"), tokenizer)

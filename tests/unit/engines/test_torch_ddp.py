@@ -26,13 +26,13 @@ import pytest
 import torch
 from test_torch_train import Objective, make_batch, pg, pg_loss
 
-from algorithms import PolicyObjective
-from algorithms.batch import LossInputs
-from algorithms.objective import LossMeanOver
-from core.config import AlgorithmConfig
-from core.records import Trajectory
-from engines.torch_ddp import TrainRankError, balance
-from engines.torch_train import TorchTrainEngine
+from tandem.algorithms import PolicyObjective
+from tandem.algorithms.batch import LossInputs
+from tandem.algorithms.objective import LossMeanOver
+from tandem.core.config import AlgorithmConfig
+from tandem.core.records import Trajectory
+from tandem.engines.torch_ddp import TrainRankError, balance
+from tandem.engines.torch_train import TorchTrainEngine
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -195,7 +195,7 @@ def test_close_ends_every_rank_process(model_dir: Path) -> None:
 
 DRIVER = """
 import sys
-from engines.torch_train import TorchTrainEngine
+from tandem.engines.torch_train import TorchTrainEngine
 if __name__ == "__main__":
     engine = TorchTrainEngine(sys.argv[1], lr=1e-2, world_size=2)
     import multiprocessing

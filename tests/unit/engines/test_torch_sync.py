@@ -22,13 +22,13 @@ import torch
 from test_torch_train import pg_loss
 from tiny_lm import encode, save_tiny_model
 
-import param_sync.syncer as syncer_module
-from core.protocols import GenerationRequest, SamplingParams, WeightSync
-from core.records import FinishReason, ResumePolicy, Trajectory, token_trajectory
-from engines.hf_rollout import HFRolloutEngine
-from engines.torch_sync import TorchWeightSync, TrainerSyncSource
-from engines.torch_train import TorchLogProbEngine, TorchTrainEngine
-from param_sync import (
+import tandem.param_sync.syncer as syncer_module
+from tandem.core.protocols import GenerationRequest, SamplingParams, WeightSync
+from tandem.core.records import FinishReason, ResumePolicy, Trajectory, token_trajectory
+from tandem.engines.hf_rollout import HFRolloutEngine
+from tandem.engines.torch_sync import TorchWeightSync, TrainerSyncSource
+from tandem.engines.torch_train import TorchLogProbEngine, TorchTrainEngine
+from tandem.param_sync import (
     BucketHeader,
     BufferHalf,
     InProcessTransport,

@@ -11,15 +11,15 @@ import pytest
 import torch
 from tiny_lm import save_tiny_model
 
-from algorithms import PolicyObjective
-from algorithms.batch import LossInputs
-from algorithms.objective import LossMeanOver
-from core.config import AlgorithmConfig
-from core.protocols import GenerationRequest, LogProbEngine, LossObjective, SamplingParams, TrainEngine
-from core.records import FinishReason, Trajectory, token_trajectory
-from engines.hf_rollout import HFRolloutEngine
-from engines.torch_microbatch import plan_micro_batches
-from engines.torch_train import TorchLogProbEngine, TorchTrainEngine
+from tandem.algorithms import PolicyObjective
+from tandem.algorithms.batch import LossInputs
+from tandem.algorithms.objective import LossMeanOver
+from tandem.core.config import AlgorithmConfig
+from tandem.core.protocols import GenerationRequest, LogProbEngine, LossObjective, SamplingParams, TrainEngine
+from tandem.core.records import FinishReason, Trajectory, token_trajectory
+from tandem.engines.hf_rollout import HFRolloutEngine
+from tandem.engines.torch_microbatch import plan_micro_batches
+from tandem.engines.torch_train import TorchLogProbEngine, TorchTrainEngine
 from tests.unit.engines.weights_for_tests import push
 
 LossFn = Callable[[LossInputs], tuple[torch.Tensor, dict[str, float]]]

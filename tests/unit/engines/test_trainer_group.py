@@ -16,10 +16,10 @@ import torch
 from test_torch_train import make_batch, pg
 from transformers import AutoModelForCausalLM
 
-from core.config import ConfigError, validate_config
-from engines.torch_microbatch import MicroBatch, response_logprobs
-from engines.torch_train import StepTotals
-from engines.trainer_group import (
+from tandem.core.config import ConfigError, validate_config
+from tandem.engines.torch_microbatch import MicroBatch, response_logprobs
+from tandem.engines.torch_train import StepTotals
+from tandem.engines.trainer_group import (
     RankSpec,
     Staging,
     TrainerGroup,
@@ -187,8 +187,8 @@ def test_on_ray_each_rank_gets_an_actor_in_its_slot_and_every_bundle_stays_withi
     pytest.importorskip("ray")
     from collections import defaultdict
 
-    from core.resources import plan_resources
-    from engines.ray_components import _one_placement_per_rank
+    from tandem.core.resources import plan_resources
+    from tandem.engines.ray_components import _one_placement_per_rank
 
     cluster = {"backend": "ray", "device_mapping": {"train": [0, 1], "generate": [1]}}
     cfg = validate_config({**config(data_parallel="fsdp2", train_world_size=2), "cluster": cluster})

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from algorithms.objective import ValueObjective
-from core.protocols import ValueEngine
-from core.records import FinishReason, Trajectory, token_trajectory
-from engines.torch_microbatch import collate
-from engines.value import TorchValueEngine, ValueModel
+from tandem.algorithms.objective import ValueObjective
+from tandem.core.protocols import ValueEngine
+from tandem.core.records import FinishReason, Trajectory, token_trajectory
+from tandem.engines.torch_microbatch import collate
+from tandem.engines.value import TorchValueEngine, ValueModel
 
 
 def batch(seed: int = 0, count: int = 6) -> list[Trajectory]:

@@ -17,12 +17,12 @@ import pytest
 import torch
 from weights_for_tests import TensorSource
 
-from core.protocols import GenerationRequest, SamplingParams
-from core.records import ResumePolicy, Trajectory
-from engines.torch_train import TorchLogProbEngine, TorchTrainEngine
-from engines.vllm.engine import VllmRolloutEngine, token_versions
-from engines.vllm.sync import VllmShmTransport, WeightProbe
-from param_sync import ParamSyncer, SyncError
+from tandem.core.protocols import GenerationRequest, SamplingParams
+from tandem.core.records import ResumePolicy, Trajectory
+from tandem.engines.torch_train import TorchLogProbEngine, TorchTrainEngine
+from tandem.engines.vllm.engine import VllmRolloutEngine, token_versions
+from tandem.engines.vllm.sync import VllmShmTransport, WeightProbe
+from tandem.param_sync import ParamSyncer, SyncError
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

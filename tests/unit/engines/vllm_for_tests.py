@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 
-from engines.vllm.worker import TandemWorkerExtension
+from tandem.engines.vllm.worker import TandemWorkerExtension
 
 EXTENSION = "vllm_for_tests.SwitchableExtension"
 

@@ -9,7 +9,7 @@ from collections.abc import Iterator, Mapping
 
 import torch
 
-from param_sync import InProcessTransport, ModuleTarget, ParamSyncer, Receiver
+from tandem.param_sync import InProcessTransport, ModuleTarget, ParamSyncer, Receiver
 
 
 class TensorSource:

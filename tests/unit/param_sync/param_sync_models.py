@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from param_sync import (
+from tandem.param_sync import (
     BucketHeader,
     BufferHalf,
     DistTransport,
@@ -33,7 +33,7 @@ from param_sync import (
     serve_dist,
     serve_shm,
 )
-from param_sync.bucket import tensor_bytes
+from tandem.param_sync.bucket import tensor_bytes
 
 
 class Net(nn.Module):

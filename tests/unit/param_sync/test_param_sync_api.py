@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import param_sync
-from param_sync import bucket, buffer, errors, feed, module, protocols, receiver, syncer, synthetic, transports
-from param_sync.transports import dist, inprocess, messages, shm
+import tandem.param_sync
+from tandem.param_sync import bucket, buffer, errors, feed, module, protocols, receiver, syncer, synthetic, transports
+from tandem.param_sync.transports import dist, inprocess, messages, shm
 
 MODULES = (bucket, buffer, errors, feed, module, protocols, receiver, synthetic, syncer, dist, inprocess, messages, shm)
 
 
 def test_every_exported_name_exists_once() -> None:
-    for namespace in (param_sync, transports, *MODULES):
+    for namespace in (tandem.param_sync, transports, *MODULES):
         assert len(namespace.__all__) == len(set(namespace.__all__)), namespace.__name__
         for name in namespace.__all__:
             assert hasattr(namespace, name), f"{namespace.__name__}.{name}"
@@ -24,6 +24,6 @@ def test_every_public_definition_is_exported_by_its_module() -> None:
 
 
 def test_the_package_exports_the_protocols_adapters_syncer_and_transports() -> None:
-    exported = set(param_sync.__all__)
+    exported = set(tandem.param_sync.__all__)
     for namespace in (errors, module, protocols, receiver, syncer, transports):
         assert set(namespace.__all__) <= exported, namespace.__name__

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from param_sync.bucket import (
+from tandem.param_sync.bucket import (
     ALIGN,
     checksum,
     dtype_from_name,
@@ -18,7 +18,7 @@ from param_sync.bucket import (
     plan_manifest,
     tensor_bytes,
 )
-from param_sync.errors import LayoutError
+from tandem.param_sync.errors import LayoutError
 
 DTYPES = [
     torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.int8, torch.uint8, torch.bool,

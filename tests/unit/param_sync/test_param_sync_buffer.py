@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from param_sync import BufferHalf, DualBuffer, StaleVersionError
-from param_sync.buffer import host_half
+from tandem.param_sync import BufferHalf, DualBuffer, StaleVersionError
+from tandem.param_sync.buffer import host_half
 
 
 def test_publish_flips_halves_and_tags_the_version() -> None:

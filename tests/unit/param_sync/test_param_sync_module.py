@@ -10,8 +10,8 @@ import pytest
 import torch
 from param_sync_models import Net, fill_random, raw_state
 
-from param_sync import LayoutError, ModuleSource, ModuleTarget, StaleVersionError, StepGate, SyncError
-from param_sync.bucket import plan_manifest, tensor_bytes
+from tandem.param_sync import LayoutError, ModuleSource, ModuleTarget, StaleVersionError, StepGate, SyncError
+from tandem.param_sync.bucket import plan_manifest, tensor_bytes
 
 
 def manifest_and_stream(module: torch.nn.Module, version: int, rename: dict[str, str] | None = None):

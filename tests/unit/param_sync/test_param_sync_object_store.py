@@ -14,7 +14,7 @@ ray = pytest.importorskip("ray")
 
 from param_sync_models import Net, fill_random, raw_state
 
-from param_sync import (
+from tandem.param_sync import (
     LoadReport,
     ModuleSource,
     ModuleTarget,
@@ -22,9 +22,9 @@ from param_sync import (
     Receiver,
     TransferError,
 )
-from param_sync.bucket import BucketHeader, Manifest, plan_manifest
-from param_sync.buffer import BufferHalf, host_half
-from param_sync.transports.object_store import (
+from tandem.param_sync.bucket import BucketHeader, Manifest, plan_manifest
+from tandem.param_sync.buffer import BufferHalf, host_half
+from tandem.param_sync.transports.object_store import (
     ObjectStoreEndpoint,
     ObjectStoreTransport,
     RemoteReceiver,

@@ -20,10 +20,10 @@ from param_sync_models import (
     shm_rollout_worker,
 )
 
-from param_sync import ModuleSource, ModuleTarget, ParamSyncer, Receiver, ShmTransport, TransferError, serve_shm
-from param_sync.bucket import plan_manifest
-from param_sync.transports.messages import Begin
-from param_sync.transports.shm import SEGMENT_PREFIX
+from tandem.param_sync import ModuleSource, ModuleTarget, ParamSyncer, Receiver, ShmTransport, TransferError, serve_shm
+from tandem.param_sync.bucket import plan_manifest
+from tandem.param_sync.transports.messages import Begin
+from tandem.param_sync.transports.shm import SEGMENT_PREFIX
 
 CTX = mp.get_context("spawn")
 

@@ -20,9 +20,9 @@ from param_sync_models import (
     raw_state,
 )
 
-import param_sync.syncer as syncer_module
-from core.protocols import WeightSync
-from param_sync import (
+import tandem.param_sync.syncer as syncer_module
+from tandem.core.protocols import WeightSync
+from tandem.param_sync import (
     GatherError,
     InProcessTransport,
     LayoutError,
@@ -33,8 +33,8 @@ from param_sync import (
     StaleVersionError,
     TransferError,
 )
-from param_sync.bucket import MiB
-from param_sync.syncer import _PartPipeline
+from tandem.param_sync.bucket import MiB
+from tandem.param_sync.syncer import _PartPipeline
 
 TINY_MB = 256 / 2**20  # 256-byte buckets: the small test model spans many of them
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from core.records import TrajectoryGroup
-from state_machines.base import Stage
+from tandem.core.records import TrajectoryGroup
+from tandem.state_machines.base import Stage
 
 
 class DropOddPrompts(Stage[TrajectoryGroup, TrajectoryGroup]):

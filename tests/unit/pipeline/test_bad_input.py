@@ -7,11 +7,11 @@ import math
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from core.protocols import LossObjective, RewardResult
-from core.records import PromptGroup, TaskItem, Trajectory
-from engines.fake import FakeTrainEngine
-from pipeline import AsyncTrainingFlow
-from pipeline.builders import build_components
+from tandem.core.protocols import LossObjective, RewardResult
+from tandem.core.records import PromptGroup, TaskItem, Trajectory
+from tandem.engines.fake import FakeTrainEngine
+from tandem.pipeline import AsyncTrainingFlow
+from tandem.pipeline.builders import build_components
 from tests.conftest import make_config, run_virtual
 
 

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from core.channel import BrokenChannel, ChannelClosed, EndOfStream, open_channel
+from tandem.core.channel import BrokenChannel, ChannelClosed, EndOfStream, open_channel
 from tests.conftest import run_virtual
 
 

@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 
-from core.checkpoint import CheckpointError, find_checkpoint, verify_checkpoint
-from core.config import TandemConfig
-from pipeline import AsyncTrainingFlow
-from pipeline.flow import CANCELLED_AT_SHUTDOWN, FlowResult
+from tandem.core.checkpoint import CheckpointError, find_checkpoint, verify_checkpoint
+from tandem.core.config import TandemConfig
+from tandem.pipeline import AsyncTrainingFlow
+from tandem.pipeline.flow import CANCELLED_AT_SHUTDOWN, FlowResult
 from tests.conftest import make_config, run_virtual
 
 

@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 import structlog
 
-from core.config import load_config
-from pipeline import AsyncTrainingFlow
-from pipeline.cli import CONFIGS_DIR, main, summary_line
+from tandem.core.config import load_config
+from tandem.core.paths import CONFIGS_DIR
+from tandem.pipeline import AsyncTrainingFlow
+from tandem.pipeline.cli import main, summary_line
 from tests.conftest import make_config, run_virtual
 
 REPO = Path(__file__).resolve().parents[3]
@@ -118,8 +119,8 @@ def test_a_failing_stage_exits_1_naming_the_stage(capsys: pytest.CaptureFixture[
 def test_ctrl_c_stops_cleanly_with_exit_code_130() -> None:
     with ctrl_c_reaches_children():
         proc = subprocess.Popen(
-            [sys.executable, "-m", "pipeline.cli", "run", "sim_sync", "run.max_steps=1000", "observability.write_run_dir=false",
-             "--no-progress"],
+            [sys.executable, "-m", "tandem.pipeline.cli", "run", "sim_sync", "run.max_steps=1000",
+             "observability.write_run_dir=false", "--no-progress"],
             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )
     assert proc.stderr is not None
@@ -162,7 +163,7 @@ def test_ctrl_c_checkpoints_the_run_and_resume_continues_it(tmp_path: Path) -> N
     run = [f"run.output_dir={tmp_path}", "run.name=stopped", "observability.metrics_port=null"]
     with ctrl_c_reaches_children():
         proc = subprocess.Popen(
-            [sys.executable, "-m", "pipeline.cli", "run", "sim_k1", "run.max_steps=100000", *run, "--no-progress"],
+            [sys.executable, "-m", "tandem.pipeline.cli", "run", "sim_k1", "run.max_steps=100000", *run, "--no-progress"],
             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )
     assert proc.stderr is not None

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-import pipeline.metrics
-from core.config import ConfigError, load_config
-from pipeline import AsyncTrainingFlow
-from pipeline.cli import CONFIGS_DIR
+import tandem.pipeline.metrics
+from tandem.core.config import ConfigError, load_config
+from tandem.core.paths import CONFIGS_DIR
+from tandem.pipeline import AsyncTrainingFlow
 from tests.conftest import make_config, run_virtual
 
 CONFIGS = sorted(CONFIGS_DIR.glob("*.yaml"))
@@ -89,8 +89,8 @@ def test_the_dashboard_queries_only_series_the_flow_exports() -> None:
 
 
 def test_the_dashboard_has_a_panel_for_every_documented_series() -> None:
-    assert pipeline.metrics.__doc__ is not None
-    series = pipeline.metrics.__doc__.split("Series", 1)[1]
+    assert tandem.pipeline.metrics.__doc__ is not None
+    series = tandem.pipeline.metrics.__doc__.split("Series", 1)[1]
     # Every ``name{labels}`` after "Series", less the ``tandem_`` prefix the docstring states.
     documented = {f"tandem_{name}" for name in re.findall(r"``([a-z_]+)", series) if name != "tandem_"}
     used = {name for expr in dashboard_exprs() for name in re.findall(r"\btandem_[a-z_]+", expr)}

@@ -19,8 +19,8 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from core.records import TrajectoryGroup
-from pipeline import AsyncTrainingFlow
+from tandem.core.records import TrajectoryGroup
+from tandem.pipeline import AsyncTrainingFlow
 from tests.conftest import make_config, run_virtual
 from tests.unit.pipeline.test_flow import RecordingTrain, recording
 from tests.unit.pipeline.test_flow_properties import latencies

@@ -12,15 +12,15 @@ from typing import Any
 
 import pytest
 
-from core.components import Components
-from core.config import TandemConfig
-from core.protocols import LossObjective
-from core.records import Trajectory, TrajectoryGroup
-from engines.fake import FakeTrainEngine
-from pipeline import AsyncTrainingFlow
-from pipeline.builders import build_components
-from state_machines.base import StageError
-from state_machines.train import TrainStateMachine
+from tandem.core.components import Components
+from tandem.core.config import TandemConfig
+from tandem.core.protocols import LossObjective
+from tandem.core.records import Trajectory, TrajectoryGroup
+from tandem.engines.fake import FakeTrainEngine
+from tandem.pipeline import AsyncTrainingFlow
+from tandem.pipeline.builders import build_components
+from tandem.state_machines.base import StageError
+from tandem.state_machines.train import TrainStateMachine
 from tests.conftest import make_config, run_virtual
 
 

@@ -15,9 +15,9 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from core.config import FAULT_ROLES
-from pipeline import AsyncTrainingFlow
-from pipeline.builders import build_components
+from tandem.core.config import FAULT_ROLES
+from tandem.pipeline import AsyncTrainingFlow
+from tandem.pipeline.builders import build_components
 from tests.conftest import make_config, run_virtual
 from tests.unit.pipeline.test_flow import RecordingTrain, RecordingTrainer
 

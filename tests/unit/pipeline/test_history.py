@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from core.history import CriticRecord, RunHistory, StepRecord, read_step_rows
-from pipeline import AsyncTrainingFlow
-from pipeline.tracking import scalars
+from tandem.core.history import CriticRecord, RunHistory, StepRecord, read_step_rows
+from tandem.pipeline import AsyncTrainingFlow
+from tandem.pipeline.tracking import scalars
 from tests.conftest import make_config, run_virtual
 
 
@@ -86,7 +86,7 @@ def test_tensorboard_gets_every_step_and_validation(tmp_path: Path) -> None:
 def test_a_tracker_that_is_not_installed_is_named_before_the_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import importlib.util
 
-    from core.config import ConfigError
+    from tandem.core.config import ConfigError
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-PACKAGES = ["pipeline", "state_machines", "algorithms"]
+PACKAGES = ["tandem", "tandem.pipeline", "tandem.state_machines", "tandem.algorithms"]
 
 
 @pytest.mark.parametrize("package", PACKAGES)
@@ -22,9 +22,24 @@ def test_every_name_in_all_is_importable_and_listed_once(package: str) -> None:
 
 def test_the_core_imports_without_torch_or_ray() -> None:
     code = (
-        "import pipeline, core.config, pipeline.flow, state_machines.registry, engines.fake; import sys; "
+        "import tandem, tandem.pipeline, tandem.core.config, tandem.pipeline.flow, tandem.state_machines.registry, "
+        "tandem.engines.fake; import sys; "
         "assert 'torch' not in sys.modules and 'ray' not in sys.modules, "
         "sorted(m for m in ('torch', 'ray') if m in sys.modules)"
     )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_the_top_level_lists_what_users_write_against() -> None:
+    import tandem
+
+    documented = {"AsyncTrainingFlow", "load_config", "Stage", "Task", "RewardFunction", "AgentWorkflow", "Environment"}
+    assert documented <= set(tandem.__all__)
+    assert sorted(tandem.__all__) == sorted(tandem._HOMES)  # each name has one home, and each home is listed
+
+
+def test_importing_one_part_does_not_load_the_flow() -> None:
+    code = "import sys, tandem.core.records; assert 'tandem.pipeline' not in sys.modules, 'the flow was loaded'"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr

@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from core.config import ConfigError, validate_config
-from core.resources import colocated_groups, plan_resources
+from tandem.core.config import ConfigError, validate_config
+from tandem.core.resources import colocated_groups, plan_resources
 from tests.conftest import merge
 
 STAGES = ["dataloader", "generate", "rollout", "logp", "reward", "train"]
@@ -120,7 +120,7 @@ def test_ray_needs_the_torch_engines_and_restarts_need_role_retries_and_the_obje
 def test_the_ray_backend_without_ray_installed_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     import importlib.util
 
-    from pipeline.builders import build_components
+    from tandem.pipeline.builders import build_components
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ray" else real(name, *a))

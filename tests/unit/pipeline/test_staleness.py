@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from core.config import ConfigError, validate_config
-from core.staleness import StalenessGate, StalenessViolation, SyncHealth, VersionClock
+from tandem.core.config import ConfigError, validate_config
+from tandem.core.staleness import StalenessGate, StalenessViolation, SyncHealth, VersionClock
 from tests.conftest import run_virtual
 
 

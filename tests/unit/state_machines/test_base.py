@@ -6,14 +6,14 @@ import asyncio
 
 import pytest
 
-from core.channel import open_channel
-from core.history import RunHistory
-from core.ledger import Ledger
-from core.records import PromptGroup, TaskItem
-from core.staleness import StalenessGate, VersionClock
-from core.trace import TraceRecorder
-from pipeline.builders import build_components
-from state_machines.base import FlowServices, Stage, StageError, State, StateMachine
+from tandem.core.channel import open_channel
+from tandem.core.history import RunHistory
+from tandem.core.ledger import Ledger
+from tandem.core.records import PromptGroup, TaskItem
+from tandem.core.staleness import StalenessGate, VersionClock
+from tandem.core.trace import TraceRecorder
+from tandem.pipeline.builders import build_components
+from tandem.state_machines.base import FlowServices, Stage, StageError, State, StateMachine
 from tests.conftest import make_config, run_virtual
 
 

@@ -10,16 +10,16 @@ from dataclasses import replace
 import pytest
 from prometheus_client import CollectorRegistry, Histogram
 
-from core.history import RunHistory, StepRecord
-from core.ledger import Ledger
-from core.records import FinishReason, PromptGroup, TaskItem, TokenPayload, Trajectory, TrajectoryGroup
-from core.staleness import StalenessGate, VersionClock
-from core.trace import TraceRecorder
-from pipeline import AsyncTrainingFlow
-from pipeline.builders import build_components
-from pipeline.metrics import FlowMetrics, StepHistogram
-from state_machines.base import FlowServices
-from state_machines.train import TrainStateMachine
+from tandem.core.history import RunHistory, StepRecord
+from tandem.core.ledger import Ledger
+from tandem.core.records import FinishReason, PromptGroup, TaskItem, TokenPayload, Trajectory, TrajectoryGroup
+from tandem.core.staleness import StalenessGate, VersionClock
+from tandem.core.trace import TraceRecorder
+from tandem.pipeline import AsyncTrainingFlow
+from tandem.pipeline.builders import build_components
+from tandem.pipeline.metrics import FlowMetrics, StepHistogram
+from tandem.state_machines.base import FlowServices
+from tandem.state_machines.train import TrainStateMachine
 from tests.conftest import make_config, run_virtual
 from tests.unit.pipeline.test_flow import recording
 

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from core.config import ConfigError
-from engines.fake import FakeValueEngine
-from pipeline import AsyncTrainingFlow
+from tandem.core.config import ConfigError
+from tandem.engines.fake import FakeValueEngine
+from tandem.pipeline import AsyncTrainingFlow
 from tests.conftest import make_config, run_virtual
 from tests.unit.pipeline.test_flow import recording
 

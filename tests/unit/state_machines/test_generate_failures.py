@@ -8,11 +8,11 @@ from collections.abc import AsyncIterator, Sequence
 
 import pytest
 
-from core.protocols import RolloutRequest
-from core.records import Trajectory
-from pipeline import AsyncTrainingFlow
-from pipeline.builders import build_components
-from state_machines.base import StageError
+from tandem.core.protocols import RolloutRequest
+from tandem.core.records import Trajectory
+from tandem.pipeline import AsyncTrainingFlow
+from tandem.pipeline.builders import build_components
+from tandem.state_machines.base import StageError
 from tests.conftest import make_config
 
 

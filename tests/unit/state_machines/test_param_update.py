@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import pytest
 
-from core.config import ConfigError, TandemConfig
-from core.history import StepRecord
-from core.protocols import SyncReport
-from engines.fake import FakeWeightSync, InjectedFault
-from pipeline import AsyncTrainingFlow, FlowResult
-from pipeline.builders import build_components
-from state_machines.base import StageError
+from tandem.core.config import ConfigError, TandemConfig
+from tandem.core.history import StepRecord
+from tandem.core.protocols import SyncReport
+from tandem.engines.fake import FakeWeightSync, InjectedFault
+from tandem.pipeline import AsyncTrainingFlow, FlowResult
+from tandem.pipeline.builders import build_components
+from tandem.state_machines.base import StageError
 from tests.conftest import make_config, run_virtual
 
 

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from core.config import ConfigError
-from core.history import StepRecord
-from pipeline import AsyncTrainingFlow
-from pipeline.builders import build_components
-from state_machines.base import StageError
-from state_machines.validate import VALIDATION_IDS
+from tandem.core.config import ConfigError
+from tandem.core.history import StepRecord
+from tandem.pipeline import AsyncTrainingFlow
+from tandem.pipeline.builders import build_components
+from tandem.state_machines.base import StageError
+from tandem.state_machines.validate import VALIDATION_IDS
 from tests.conftest import make_config, run_virtual
 from tests.unit.pipeline.test_flow import intervals, overlap, recording
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks.arithmetic import generate_problems, load_jsonl, write_jsonl
+from tandem.tasks.arithmetic import generate_problems, load_jsonl, write_jsonl
 
 
 def test_round_trip(tmp_path: Path) -> None:

@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-import tasks.arithmetic
-from tasks.arithmetic import MAX_RESPONSE_TOKENS, MODEL_DIR, format_prompt, verify
+import tandem.tasks.arithmetic
+from tandem.tasks.arithmetic import MAX_RESPONSE_TOKENS, MODEL_DIR, format_prompt, verify
 
 
 @pytest.fixture(scope="module")
@@ -66,8 +66,8 @@ def test_recorded_accuracy_is_partial() -> None:
 
 
 def test_public_api_is_listed_and_importable() -> None:
-    for name in tasks.arithmetic.__all__:
-        assert hasattr(tasks.arithmetic, name), name
+    for name in tandem.tasks.arithmetic.__all__:
+        assert hasattr(tandem.tasks.arithmetic, name), name
     assert {"MODEL_DIR", "generate_problems", "verify", "load_jsonl", "write_jsonl", "format_prompt"} <= set(
-        tasks.arithmetic.__all__
+        tandem.tasks.arithmetic.__all__
     )

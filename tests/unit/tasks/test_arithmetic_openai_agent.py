@@ -17,9 +17,9 @@ from typing import Any
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from core.protocols import AgentRun, SamplingParams
-from core.records import TaskItem
-from tasks.arithmetic.openai_agent import solver
+from tandem.core.protocols import AgentRun, SamplingParams
+from tandem.core.records import TaskItem
+from tandem.tasks.arithmetic.openai_agent import solver
 
 COMPLETION = {
     "id": "cmpl-0", "object": "text_completion", "created": 0, "model": "tandem",

@@ -6,8 +6,8 @@ import statistics
 
 import pytest
 
-from tasks.arithmetic import format_prompt, format_response, generate_problems, verify
-from tasks.arithmetic.problems import MAX_RESPONSE_CHARS
+from tandem.tasks.arithmetic import format_prompt, format_response, generate_problems, verify
+from tandem.tasks.arithmetic.problems import MAX_RESPONSE_CHARS
 
 
 def test_same_seed_same_problems_and_different_seed_different_problems() -> None:

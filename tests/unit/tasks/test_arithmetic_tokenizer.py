@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from tasks.arithmetic import MODEL_DIR, format_response, generate_problems
-from tasks.arithmetic.tokenizer import VOCAB, build_tokenizer
+from tandem.tasks.arithmetic import MODEL_DIR, format_response, generate_problems
+from tandem.tasks.arithmetic.tokenizer import VOCAB, build_tokenizer
 
 
 @pytest.fixture(scope="module")

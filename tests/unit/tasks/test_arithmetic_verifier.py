@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tasks.arithmetic import extract_answer, verify
+from tandem.tasks.arithmetic import extract_answer, verify
 
 SCRATCHPAD = "9+3+0=12\n8+2+1=11\n5+1+1=07\n4+0+0=04\n"
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-import tasks.calculator
-from core.environment import Environment, EnvironmentRunner, StepResult
-from tasks.arithmetic import format_response, generate_problems, verify
-from tasks.arithmetic.problems import MAX_DIGITS
-from tasks.calculator import MAX_TURN_CHARS, MAX_TURNS, TOOL_ERROR, CalculatorEnvironment, parse_turn
+import tandem.tasks.calculator
+from tandem.core.environment import Environment, EnvironmentRunner, StepResult
+from tandem.tasks.arithmetic import format_response, generate_problems, verify
+from tandem.tasks.arithmetic.problems import MAX_DIGITS
+from tandem.tasks.calculator import MAX_TURN_CHARS, MAX_TURNS, TOOL_ERROR, CalculatorEnvironment, parse_turn
 
 
 def operands(prompt: str) -> tuple[int, int]:
@@ -126,5 +126,5 @@ async def test_runs_under_the_environment_runner() -> None:
 
 
 def test_public_api_is_listed_and_importable() -> None:
-    for name in tasks.calculator.__all__:
-        assert hasattr(tasks.calculator, name), name
+    for name in tandem.tasks.calculator.__all__:
+        assert hasattr(tandem.tasks.calculator, name), name

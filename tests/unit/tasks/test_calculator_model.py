@@ -10,11 +10,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from tasks.arithmetic import MODEL_DIR as ARITHMETIC_MODEL_DIR
-from tasks.arithmetic import generate_problems
-from tasks.calculator import HELD_OUT_SEEDS, MODEL_DIR, CalculatorEnvironment
-from tasks.calculator.play import play
-from tasks.calculator.pretrain import encode_episode, expert_episode
+from tandem.tasks.arithmetic import MODEL_DIR as ARITHMETIC_MODEL_DIR
+from tandem.tasks.arithmetic import generate_problems
+from tandem.tasks.calculator import HELD_OUT_SEEDS, MODEL_DIR, CalculatorEnvironment
+from tandem.tasks.calculator.play import play
+from tandem.tasks.calculator.pretrain import encode_episode, expert_episode
 
 
 @pytest.fixture(scope="module")

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import itertools
 
-from core.environment import EnvironmentTask
-from core.task import Task
-from engines.agentic import EpisodePayload
-from tasks.arithmetic import generate_problems
-from tasks.calculator import HELD_OUT_SEEDS, MODEL_DIR, TRAIN_SEEDS, CalculatorEnvironment
-from tasks.calculator.reward import correct
-from tasks.registry import load_task
+from tandem.core.environment import EnvironmentTask
+from tandem.core.task import Task
+from tandem.engines.agentic import EpisodePayload
+from tandem.tasks.arithmetic import generate_problems
+from tandem.tasks.calculator import HELD_OUT_SEEDS, MODEL_DIR, TRAIN_SEEDS, CalculatorEnvironment
+from tandem.tasks.calculator.reward import correct
+from tandem.tasks.registry import load_task
 
 
 def test_it_is_an_episode_task_found_by_name_with_its_model() -> None:

@@ -8,7 +8,7 @@ import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
 
-from tasks.digits import (
+from tandem.tasks.digits import (
     CLASSIFIER_DIR,
     MODEL_DIR,
     PRETRAIN_METRICS_PATH,
@@ -17,10 +17,10 @@ from tasks.digits import (
     TRANSFORMER_DIR,
     UNCONDITIONAL_INDEX,
 )
-from tasks.digits.data import load_split
-from tasks.digits.models import DigitClassifier, DigitGenerator, load_classifier, load_generator
-from tasks.digits.pretrain import REPORT_SEED, measure_recognition
-from tasks.digits.sampling import sample_images
+from tandem.tasks.digits.data import load_split
+from tandem.tasks.digits.models import DigitClassifier, DigitGenerator, load_classifier, load_generator
+from tandem.tasks.digits.pretrain import REPORT_SEED, measure_recognition
+from tandem.tasks.digits.sampling import sample_images
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -9,9 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tasks.digits import format_prompt, parse_prompt
-from tasks.digits.data import load_split
-from tasks.digits.reward import REWARDS, ink, ink_reward, ocr, ocr_reward
+from tandem.tasks.digits import format_prompt, parse_prompt
+from tandem.tasks.digits.data import load_split
+from tandem.tasks.digits.reward import REWARDS, ink, ink_reward, ocr, ocr_reward
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +79,7 @@ def test_the_numpy_judge_is_the_torch_classifier(heldout: tuple[np.ndarray, np.n
     # The reward computes the shipped classifier's forward in numpy (so reward workers need no torch).
     import torch
 
-    from tasks.digits.models import load_classifier
+    from tandem.tasks.digits.models import load_classifier
 
     images, labels = heldout
     noise = np.random.default_rng(1).uniform(-1, 1, size=(50, 8, 8)).astype(np.float32)

@@ -6,9 +6,9 @@ import itertools
 
 import pytest
 
-from core.task import Task
-from tasks.digits import MODEL_DIR, make_task, parse_prompt
-from tasks.registry import load_task
+from tandem.core.task import Task
+from tandem.tasks.digits import MODEL_DIR, make_task, parse_prompt
+from tandem.tasks.registry import load_task
 
 
 def test_it_is_an_image_task_found_by_name_with_its_options() -> None:
@@ -16,8 +16,8 @@ def test_it_is_an_image_task_found_by_name_with_its_options() -> None:
     assert isinstance(task, Task) and task.name == "digits" and task.kind == "image" and task.model_path == MODEL_DIR
     assert (MODEL_DIR / "model_index.json").is_file()  # a generator folder the diffusion engines load
     ocr, ink = task.rewards()
-    assert (ocr.name, ocr.fn, ocr.weight, ocr.runner) == ("ocr", "tasks.digits.reward:ocr", 1.0, "inline")
-    assert (ink.name, ink.fn, ink.weight) == ("ink", "tasks.digits.reward:ink", -0.2)
+    assert (ocr.name, ocr.fn, ocr.weight, ocr.runner) == ("ocr", "tandem.tasks.digits.reward:ocr", 1.0, "inline")
+    assert (ink.name, ink.fn, ink.weight) == ("ink", "tandem.tasks.digits.reward:ink", -0.2)
     assert [f.name for f in make_task().rewards()] == ["ocr"]  # ink only when weighted
 
 

@@ -6,9 +6,9 @@ import random
 
 import pytest
 
-import tasks.frozenlake
-from core.environment import Environment, EnvironmentRunner
-from tasks.frozenlake import (
+import tandem.tasks.frozenlake
+from tandem.core.environment import Environment, EnvironmentRunner
+from tandem.tasks.frozenlake import (
     ACTIONS,
     HELD_OUT_SEEDS,
     MAX_TURNS,
@@ -20,7 +20,7 @@ from tasks.frozenlake import (
     render,
     shortest_path,
 )
-from tasks.frozenlake.maps import move
+from tandem.tasks.frozenlake.maps import move
 
 
 def test_a_seed_always_gives_the_same_solvable_map() -> None:
@@ -190,5 +190,5 @@ async def test_runs_under_the_environment_runner() -> None:
 
 
 def test_public_api_is_listed_and_importable() -> None:
-    for name in tasks.frozenlake.__all__:
-        assert hasattr(tasks.frozenlake, name), name
+    for name in tandem.tasks.frozenlake.__all__:
+        assert hasattr(tandem.tasks.frozenlake, name), name

@@ -9,10 +9,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from tasks.frozenlake import HELD_OUT_SEEDS, MODEL_DIR, FrozenLakeEnvironment
-from tasks.frozenlake.play import play, summarize
-from tasks.frozenlake.tokenizer import EOT, build_tokenizer
-from tasks.frozenlake.transcript import TURN_TOKENS
+from tandem.tasks.frozenlake import HELD_OUT_SEEDS, MODEL_DIR, FrozenLakeEnvironment
+from tandem.tasks.frozenlake.play import play, summarize
+from tandem.tasks.frozenlake.tokenizer import EOT, build_tokenizer
+from tandem.tasks.frozenlake.transcript import TURN_TOKENS
 
 
 @pytest.fixture(scope="module")

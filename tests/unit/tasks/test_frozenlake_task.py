@@ -7,13 +7,13 @@ import pickle
 
 import pytest
 
-from core.environment import EnvironmentTask
-from core.task import Task
-from engines.agentic import EpisodePayload
-from tasks.frozenlake import HELD_OUT_SEEDS, MAX_TURNS, MODEL_DIR, generate_map, render
-from tasks.frozenlake.reward import malformed_actions, reached_goal
-from tasks.frozenlake.task import HELD_OUT_MAPS
-from tasks.registry import load_task
+from tandem.core.environment import EnvironmentTask
+from tandem.core.task import Task
+from tandem.engines.agentic import EpisodePayload
+from tandem.tasks.frozenlake import HELD_OUT_SEEDS, MAX_TURNS, MODEL_DIR, generate_map, render
+from tandem.tasks.frozenlake.reward import malformed_actions, reached_goal
+from tandem.tasks.frozenlake.task import HELD_OUT_MAPS
+from tandem.tasks.registry import load_task
 
 
 def test_it_is_an_episode_task_found_by_name_with_the_shipped_model() -> None:

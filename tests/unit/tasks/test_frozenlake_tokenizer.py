@@ -7,10 +7,10 @@ import random
 import pytest
 from transformers import PreTrainedTokenizerFast
 
-from tasks.frozenlake.environment import FrozenLakeEnvironment
-from tasks.frozenlake.pretrain import noisy_expert_episode
-from tasks.frozenlake.tokenizer import BOS, EOT, VOCAB, build_tokenizer
-from tasks.frozenlake.transcript import encode_episode, transcript_text
+from tandem.tasks.frozenlake.environment import FrozenLakeEnvironment
+from tandem.tasks.frozenlake.pretrain import noisy_expert_episode
+from tandem.tasks.frozenlake.tokenizer import BOS, EOT, VOCAB, build_tokenizer
+from tandem.tasks.frozenlake.transcript import encode_episode, transcript_text
 
 
 @pytest.fixture(scope="module")

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from core.config import ConfigError, validate_config
-from pipeline import AsyncTrainingFlow
-from tasks.registry import available_tasks, load_task
+from tandem.core.config import ConfigError, validate_config
+from tandem.pipeline import AsyncTrainingFlow
+from tandem.tasks.registry import available_tasks, load_task
 from tests.conftest import make_config, run_virtual
 from tests.unit.pipeline.test_flow import RecordingTrain, recording
 
@@ -23,9 +23,9 @@ USER_TASK = '''
 import time
 from pathlib import Path
 
-from core.records import TaskItem
-from core.task import RewardFunction
-from tasks.dataset import FileItems
+from tandem.core.records import TaskItem
+from tandem.core.task import RewardFunction
+from tandem.tasks.dataset import FileItems
 
 HERE = Path(__file__).parent
 
@@ -158,7 +158,7 @@ def test_task_names_resolve_or_are_named() -> None:
     with pytest.raises(ConfigError, match="task.name: cannot import 'no_such_module:TASK'"):
         load_task("no_such_module:TASK")
     with pytest.raises(ConfigError, match="is neither a Task nor a callable"):
-        load_task("tasks.arithmetic:MAX_RESPONSE_TOKENS")
+        load_task("tandem.tasks.arithmetic:MAX_RESPONSE_TOKENS")
     with pytest.raises(ConfigError, match="task.options for 'arithmetic'"):
         load_task("arithmetic", {"size": 3})
     with pytest.raises(ConfigError, match="task.name: engines.type=torch trains a real model: name its task"):
