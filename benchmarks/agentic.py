@@ -66,7 +66,7 @@ def held_out_success(model_path: Path) -> float:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from tandem.engines.tokenizer import load_tokenizer
+    from tandem.engines.shared.tokenizer import load_tokenizer
     from tandem.tasks.frozenlake import HELD_OUT_SEEDS
     from tandem.tasks.frozenlake.play import play, summarize
 

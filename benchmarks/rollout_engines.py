@@ -1,6 +1,6 @@
 """Rollout engines on CPU: decode throughput (tokens/s) of tandem's embedded engine, vLLM and ``model.generate``.
 
-Why: the embedded engine (``engines.hf_rollout``) is a few hundred lines of Python around a
+Why: the embedded engine (``engines.text.rollout``) is a few hundred lines of Python around a
 transformers model; this measures what that costs or saves against the two other ways to sample
 on CPU, at equal work: transformers' own ``model.generate`` on one static batch (the floor any
 engine must beat) and vLLM in process (``engines.vllm``, its CPU build, compiled by default;
@@ -168,8 +168,8 @@ def _async_sampler(engine: Any, new_tokens: int) -> Sampler:
 
 @contextmanager
 def embedded(path: Path, batch: int, new_tokens: int, threads: int) -> Iterator[Sampler]:
-    """tandem's embedded engine (``engines.hf_rollout``): its decode thread, ``threads`` cores."""
-    from tandem.engines.hf_rollout import HFRolloutEngine
+    """tandem's embedded engine (``engines.text.rollout``): its decode thread, ``threads`` cores."""
+    from tandem.engines.text.rollout import HFRolloutEngine
 
     engine = HFRolloutEngine(str(path), max_batch_size=batch, num_threads=threads)
     try:
@@ -182,7 +182,7 @@ def vllm_engine(eager: bool) -> Callable[[Path, int, int, int], Any]:
     @contextmanager
     def vllm(path: Path, batch: int, new_tokens: int, threads: int) -> Iterator[Sampler]:
         """vLLM in process (``engines.vllm``): its engine core process bound to ``threads`` cores."""
-        from tandem.engines.vllm.components import generation_cpus
+        from tandem.engines.vllm.build import generation_cpus
         from tandem.engines.vllm.engine import VllmRolloutEngine, VllmSettings
 
         engine = VllmRolloutEngine(

@@ -1,6 +1,6 @@
 """Trainer groups (FSDP2, megatron-core) at 1 and 2 ranks on CPU: train-step throughput, weight gather into the dual buffer.
 
-For each engine and rank count a group is started (``engines.trainer_group``: every rank a
+For each engine and rank count a group is started (``engines.trainers.group``: every rank a
 spawned process with one torch thread, gloo between them) on a synthetic Llama (``--hidden``,
 ``--layers``; random weights written to a temporary folder), takes one warm-up step, then
 ``--steps`` timed steps on the same batch of ``--sequences`` token trajectories (prompt
@@ -9,7 +9,7 @@ spawned process with one torch thread, gloo between them) on a synthetic Llama (
 - ``tokens_per_s``: tokens of the batch (prompt + response, no padding) / median step wall time,
   as the driver sees it (``TrainerGroup.train_step``: split, accumulate, reduce, step);
 - ``scaling_efficiency``: ``tokens_per_s(N) / (N * tokens_per_s(1))`` for the same engine;
-- ``gather_gb_per_s``: weight sync's gather, the trainer side of ``engines.torch_sync``: a
+- ``gather_gb_per_s``: weight sync's gather, the trainer side of ``engines.shared.weight_sync``: a
   ``ParamSyncer`` over ``TrainerSyncSource(group)`` loads an in-process rollout module; its
   ``gather_s`` covers the ranks' gather (FSDP2 unshards every weight, megatron all-gathers its
   tensor-parallel shards), rank 0's copy into its shared-memory staging and the copy into the
@@ -48,9 +48,9 @@ from rich.table import Table
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from tandem.core.records import FinishReason, Trajectory, token_trajectory
-from tandem.engines.torch_sync import TrainerSyncSource
-from tandem.engines.torch_train import TorchTrainEngine
-from tandem.engines.trainer_group import RankSpec, TrainerGroup
+from tandem.engines.shared.weight_sync import TrainerSyncSource
+from tandem.engines.trainers.group import RankSpec, TrainerGroup
+from tandem.engines.trainers.torch_train import TorchTrainEngine
 from tandem.param_sync import InProcessTransport, ModuleTarget, ParamSyncer, Receiver
 
 RESULTS = Path(__file__).resolve().parent / "results" / "train_scaling.json"

@@ -571,8 +571,8 @@ class TorchEnginesConfig(_Model):
 
     @property
     def trainer_group(self) -> str | None:
-        """The rank engine of ``engines.trainer_group`` this config trains with, or None
-        (``TorchTrainEngine``, with ``engines.torch_ddp`` ranks when ``train_world_size > 1``)."""
+        """The rank engine of ``engines.trainers.group`` this config trains with, or None
+        (``TorchTrainEngine``, with ``engines.trainers.ddp`` ranks when ``train_world_size > 1``)."""
         if self.train == "megatron":
             return "megatron"
         return "fsdp2" if self.data_parallel == "fsdp2" else None
@@ -912,12 +912,12 @@ class TandemConfig(_Model):
                     "flow.stages has logp but the loss reads no recomputed log-probs (algorithm.decoupled=false or "
                     f"algorithm.proximal={algo.proximal}): the forward pass would go unused"
                 )
-            if algo.advantage == "gae" and (
-                self.engines.trainer_group is not None or self.engines.rollout != "embedded" or self.cluster.backend != "local"
-            ):
+            if algo.advantage == "gae" and (self.engines.rollout != "embedded" or self.cluster.backend != "local"):
+                # Every trainer takes per-action advantages (engines.trainers.loss_loop); the critic
+                # itself is built only by the embedded local bundle.
                 raise ValueError(
-                    "algorithm.advantage=gae: the critic and per-action advantages run on the embedded local torch "
-                    "engines only (engines.train=torch without fsdp2, engines.rollout=embedded, cluster.backend=local)"
+                    "algorithm.advantage=gae: the critic runs beside the embedded local engines only "
+                    "(engines.rollout=embedded, cluster.backend=local)"
                 )
             exact = algo.kl_estimator == "exact"  # the train engine holds the reference itself
             if algo.kl_coef > 0 and (algo.kl_estimator is None or ("ref_logp" not in stages and not exact)):

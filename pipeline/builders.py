@@ -35,12 +35,12 @@ __all__ = [
 # The backend is ``engines.type``, or ``ray`` for the torch engines as Ray actors.
 WORKLOADS: dict[tuple[str, str], str] = {
     ("fake", "text"): "tandem.engines.fake:build_fake_components",
-    ("torch", "text"): "tandem.engines.torch_components:build_torch_components",
-    ("ray", "text"): "tandem.engines.ray_components:build_ray_components",
-    ("torch", "image"): "tandem.engines.diffusion.components:build_image_components",
-    ("ray", "image"): "tandem.engines.diffusion.ray_backend:build_ray_image_components",
-    ("torch", "episode"): "tandem.engines.agentic.components:build_episode_components",
-    ("ray", "episode"): "tandem.engines.agentic.components:build_ray_episode_components",
+    ("torch", "text"): "tandem.engines.build:build_text_components",
+    ("ray", "text"): "tandem.engines.ray.build:build_ray_components",
+    ("torch", "image"): "tandem.engines.diffusion.build:build_image_components",
+    ("ray", "image"): "tandem.engines.ray.image:build_ray_image_components",
+    ("torch", "episode"): "tandem.engines.agentic.build:build_episode_components",
+    ("ray", "episode"): "tandem.engines.agentic.build:build_ray_episode_components",
 }
 
 # How each kind's trajectories are shown to reward functions.

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from tandem.core.config import ConfigError, import_named
 from tandem.core.protocols import RolloutWorkflow
 from tandem.engines.agentic.workflow import WorkflowContext
-from tandem.engines.text_workflow import SingleTurnWorkflow
+from tandem.engines.text.workflow import SingleTurnWorkflow
 
 __all__ = ["WORKFLOWS", "load_workflow", "single_turn"]
 

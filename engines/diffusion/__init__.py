@@ -13,7 +13,7 @@ Each denoising step of an image is an action. The modules, bottom up:
 - :mod:`~engines.diffusion.workflow`: the flow's rollout requests as sampling plans (denoising
   reduction, Flow-GRPO-Fast windows, ``rollout.with_reward``), and the pictures of each evaluation
   (drawn by :mod:`~engines.diffusion.grid`);
-- :mod:`~engines.diffusion.components` and :mod:`~engines.diffusion.ray_backend`: the bundles
+- :mod:`~engines.diffusion.build` and :mod:`~engines.ray.image`: the bundles
   ``pipeline.builders.WORKLOADS`` names for tasks of kind ``image``, in process and on Ray.
 
 Nothing is imported here: the modules pull in torch and diffusers, which a config never needs.

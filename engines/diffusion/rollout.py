@@ -48,7 +48,7 @@ from tandem.core.records import FinishReason, Trajectory
 from tandem.core.threadsafe import post_to_loop
 from tandem.engines.diffusion.model import Conditioning, FlowMatchingGenerator, guided_velocity, load_generator
 from tandem.engines.diffusion.payload import ImagePayload
-from tandem.engines.threads import ClosesOnAThread, apply_thread_budget
+from tandem.engines.shared.threads import ClosesOnAThread, apply_thread_budget
 from tandem.param_sync import GateClosedError, LoadMode, ModuleTarget
 
 __all__ = ["DenoiseRequest", "DiffusionRolloutEngine", "EngineClosedError"]

@@ -26,7 +26,7 @@ Invariants:
 - the transformer stays in ``eval()`` mode: dropout would make recomputed log-probs disagree
   with the ones the losses compare them to;
 - the weights and ``version`` change together, only under the weights lock (optimizer step,
-  restore), so ``weights_for_sync`` (held by the param-sync gather, ``engines.torch_sync``)
+  restore), so ``weights_for_sync`` (held by the param-sync gather, ``engines.shared.weight_sync``)
   sees one whole version and knows which.
 """
 
@@ -52,7 +52,7 @@ from tandem.core.protocols import LossObjective
 from tandem.core.records import Trajectory
 from tandem.engines.diffusion.model import MODEL_INDEX, guided_velocity, load_generator
 from tandem.engines.diffusion.payload import ImagePayload, image_payload
-from tandem.engines.threads import ClosesOnAThread, budgeted_executor
+from tandem.engines.shared.threads import ClosesOnAThread, budgeted_executor
 from tandem.param_sync import unique_weights
 
 __all__ = ["TRAINER_STATE_FILE", "DiffusionTrainEngine"]

@@ -1,6 +1,6 @@
 """The embedded rollout engine as a server drives it: one request at a time, abortable, observable.
 
-What it owns: :class:`ServedEngine`, an :class:`~engines.hf_rollout.HFRolloutEngine` that also
+What it owns: :class:`ServedEngine`, an :class:`~engines.text.rollout.HFRolloutEngine` that also
 - takes requests one by one (:meth:`ServedEngine.submit`) and hands back a :class:`Running`
   handle per request, whose result the HTTP handler awaits;
 - aborts requests with their partial output (sglang's ``/abort_request`` and
@@ -31,7 +31,7 @@ import torch
 from tandem.core.protocols import GenerationRequest
 from tandem.core.records import FinishReason, ResumePolicy, Trajectory
 from tandem.core.threadsafe import post_to_loop
-from tandem.engines.hf_rollout import EngineClosedError, HFRolloutEngine, _Call, _request_generator, _Sequence, validate_request
+from tandem.engines.text.rollout import EngineClosedError, HFRolloutEngine, _Call, _request_generator, _Sequence, validate_request
 from tandem.param_sync import GateClosedError
 
 __all__ = ["Partial", "Running", "ServedEngine"]

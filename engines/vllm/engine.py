@@ -44,10 +44,10 @@ from typing import Any
 from tandem.core.protocols import GenerationRequest
 from tandem.core.records import FinishReason, ResumePolicy, Trajectory, token_trajectory
 from tandem.core.threadsafe import post_to_loop
-from tandem.engines.hf_rollout import validate_request
 from tandem.engines.server.router import segment_seed, served_version
 from tandem.engines.server.schemas import header_to_json, manifest_to_json
-from tandem.engines.threads import ClosesOnAThread
+from tandem.engines.shared.threads import ClosesOnAThread
+from tandem.engines.text.rollout import validate_request
 from tandem.param_sync import BucketHeader, LoadReport, Manifest
 
 __all__ = ["WORKER_EXTENSION", "VllmRolloutEngine", "VllmSettings", "eos_token_ids", "token_versions", "vllm_environment"]

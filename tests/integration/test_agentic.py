@@ -197,7 +197,7 @@ def held_out_success(model_path: Any, maps: int = HELD_OUT_MAPS) -> float:
     of them by default: layouts training never plays."""
     from transformers import AutoModelForCausalLM
 
-    from tandem.engines.tokenizer import load_tokenizer
+    from tandem.engines.shared.tokenizer import load_tokenizer
     from tandem.tasks.frozenlake.play import play, summarize
 
     model = AutoModelForCausalLM.from_pretrained(model_path)

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from tandem.core.config import load_config
-from tandem.engines.tokenizer import load_tokenizer
+from tandem.engines.shared.tokenizer import load_tokenizer
 from tandem.pipeline import AsyncTrainingFlow
 from tandem.pipeline.builders import build_components
 from tandem.tasks.calculator import MODEL_DIR, TOOL_ERROR, parse_turn

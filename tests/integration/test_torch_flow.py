@@ -114,7 +114,7 @@ def test_k0_flow_reproduces_the_synchronous_loop() -> None:
 def greedy_accuracy(model_path: Any, problems: list) -> float:
     from transformers import AutoModelForCausalLM
 
-    from tandem.engines.tokenizer import load_tokenizer
+    from tandem.engines.shared.tokenizer import load_tokenizer
     from tandem.tasks.arithmetic.pretrain import evaluate
 
     model = AutoModelForCausalLM.from_pretrained(model_path)

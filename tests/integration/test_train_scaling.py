@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM
 from tandem.core.config import TandemConfig, apply_overrides, validate_config
 from tandem.core.protocols import LossObjective
 from tandem.core.records import Trajectory
-from tandem.engines.trainer_group import TrainerGroup
+from tandem.engines.trainers.group import TrainerGroup
 from tandem.param_sync import unique_weights
 from tandem.pipeline import AsyncTrainingFlow
 from tandem.pipeline.builders import build_components

@@ -8,6 +8,7 @@ tree laid out as it is installed: ``tandem/<part>/...``.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -51,3 +52,15 @@ def test_an_upward_import_breaks_a_contract_naming_it(tmp_path: Path) -> None:
     assert result.returncode != 0
     assert "The vocabulary imports nothing of ours above it BROKEN" in result.stdout
     assert "tandem.core.records -> tandem.pipeline.flow" in result.stdout
+
+
+def test_a_cycle_inside_the_engines_breaks_a_contract_naming_it(tmp_path: Path) -> None:
+    tree = installed_layout(tmp_path)
+    threads = tree / "tandem" / "engines" / "shared" / "threads.py"
+    # Inside a function, as cycles hide: the text workload imports shared, now shared imports it back.
+    threads.write_text(threads.read_text() + "\n\ndef _cycle() -> None:\n    import tandem.engines.text.rollout  # noqa: F401\n")
+    result = lint(tree)
+    assert result.returncode != 0
+    assert re.search(r"No import cycles inside the engines, .*\s*BROKEN", result.stdout)
+    assert "No cycles are allowed in tandem.engines." in result.stdout
+    assert ".shared -> .text" in result.stdout or ".text -> .shared" in result.stdout

@@ -20,9 +20,9 @@ from tandem.core.protocols import RolloutRequest, SamplingParams
 from tandem.core.records import FinishReason, PromptGroup, ResumePolicy, TaskItem, Trajectory
 from tandem.core.trace import TraceRecorder
 from tandem.engines.agentic import EnvironmentManager, EpisodePayload, WorkflowContext
-from tandem.engines.hf_rollout import HFRolloutEngine
-from tandem.engines.tokenizer import load_tokenizer
-from tandem.engines.torch_train import TorchLogProbEngine
+from tandem.engines.shared.tokenizer import load_tokenizer
+from tandem.engines.text.rollout import HFRolloutEngine
+from tandem.engines.trainers.torch_train import TorchLogProbEngine
 from tests.unit.engines.weights_for_tests import push_from_inside_a_step
 
 TURN = 3  # tokens per model turn; the tiny model never stops early, so every turn has exactly these

@@ -15,9 +15,9 @@ from tandem.core.environment import EnvironmentRunner
 from tandem.core.protocols import RolloutRequest, SamplingParams
 from tandem.core.records import PromptGroup, TaskItem, Trajectory
 from tandem.engines.agentic import EnvironmentManager, WorkflowContext
-from tandem.engines.hf_rollout import HFRolloutEngine
-from tandem.engines.tokenizer import load_tokenizer
-from tandem.engines.torch_train import TorchTrainEngine
+from tandem.engines.shared.tokenizer import load_tokenizer
+from tandem.engines.text.rollout import HFRolloutEngine
+from tandem.engines.trainers.torch_train import TorchTrainEngine
 
 
 async def episodes(model_dir: Path, seeds: list[int]) -> list[Trajectory]:

@@ -24,7 +24,7 @@ from tandem.engines.agentic import (
     load_workflow,
     turn_seed,
 )
-from tandem.engines.text_workflow import SingleTurnWorkflow
+from tandem.engines.text.workflow import SingleTurnWorkflow
 
 
 class CharTokenizer:

@@ -15,11 +15,11 @@ import torch
 from tandem.algorithms import PolicyObjective
 from tandem.core.config import AlgorithmConfig, ConfigError, validate_config
 from tandem.core.records import Trajectory
-from tandem.engines.diffusion.components import build_image_components
+from tandem.engines.diffusion.build import build_image_components
 from tandem.engines.diffusion.rollout import DenoiseRequest, DiffusionRolloutEngine
 from tandem.engines.diffusion.train import DiffusionTrainEngine
 from tandem.engines.diffusion.workflow import ImageWorkflow
-from tandem.engines.torch_sync import TorchWeightSync, TrainerSyncSource
+from tandem.engines.shared.weight_sync import TorchWeightSync, TrainerSyncSource
 from tandem.param_sync import InProcessTransport, ParamSyncer, Receiver
 from tandem.pipeline.builders import build_components, with_task_model
 from tests.conftest import merge

@@ -16,7 +16,7 @@ from tandem.core.config import AlgorithmConfig
 from tandem.core.records import Trajectory
 from tandem.engines.diffusion.rollout import DenoiseRequest, DiffusionRolloutEngine
 from tandem.engines.diffusion.train import DiffusionTrainEngine
-from tandem.engines.torch_sync import TorchWeightSync, TrainerSyncSource
+from tandem.engines.shared.weight_sync import TorchWeightSync, TrainerSyncSource
 from tandem.param_sync import InProcessTransport, ParamSyncer, Receiver
 from tandem.tasks.digits import MODEL_DIR, format_prompt
 

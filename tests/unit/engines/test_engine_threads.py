@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from tandem.engines.threads import apply_thread_budget, budgeted_executor
+from tandem.engines.shared.threads import apply_thread_budget, budgeted_executor
 
 
 @pytest.fixture

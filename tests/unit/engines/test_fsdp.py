@@ -1,4 +1,4 @@
-"""An FSDP2 trainer group (``engines.fsdp`` ranks in spawned processes) trains as one process does, and fails by name.
+"""An FSDP2 trainer group (``engines.trainers.fsdp`` ranks in spawned processes) trains as one process does, and fails by name.
 
 The equality tests run in float64 with one sample per micro-batch, as ``test_torch_ddp.py``'s:
 every rank then computes the same per-sample gradients bit for bit and only the order of
@@ -30,8 +30,8 @@ from tandem.algorithms.objective import LossMeanOver
 from tandem.core.config import AlgorithmConfig
 from tandem.core.protocols import TrainEngine
 from tandem.core.records import Trajectory
-from tandem.engines.torch_train import TorchTrainEngine
-from tandem.engines.trainer_group import RankSpec, TrainerGroup, TrainRankError
+from tandem.engines.trainers.group import RankSpec, TrainerGroup, TrainRankError
+from tandem.engines.trainers.torch_train import TorchTrainEngine
 from tandem.param_sync import unique_weights
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -67,6 +67,14 @@ def fails_on_rank_1(inputs: LossInputs) -> tuple[torch.Tensor, dict[str, float]]
     if dist.get_rank() == 1:
         raise ValueError("loss exploded on rank 1")
     return pg(inputs)
+
+
+def per_token_advantages(batch: list[Trajectory]) -> list[Trajectory]:
+    """The batch with a distinct advantage per token (as GAE gives) instead of one per sequence."""
+    for s in batch:
+        s.token_advantages = [(-1.0) ** (s.index + t) * (t + 1) / s.num_actions for t in range(s.num_actions)]
+        s.advantage = None
+    return batch
 
 
 @pytest.fixture(scope="module")
@@ -113,8 +121,10 @@ async def test_a_group_is_a_train_engine(one_and_two: tuple[TrainerGroup, Traine
         ("seq-mean-token-mean", "sequences", [make_batch(0), make_batch(1)]),
         # One sample per step: rank 1 has nothing and runs filler passes that must add nothing.
         ("token-mean", "tokens", [make_batch(0, groups=1, n=1), make_batch(1, groups=1, n=1)]),
+        # Per-token advantages (GAE's): the one loss loop reads them on every trainer.
+        ("token-mean", "tokens", [per_token_advantages(make_batch(0)), per_token_advantages(make_batch(1))]),
     ],
-    ids=["token-mean", "sequence-mean", "rank-1-idle"],
+    ids=["token-mean", "sequence-mean", "rank-1-idle", "per-token-advantages"],
 )
 async def test_two_ranks_take_the_one_rank_and_the_one_process_steps(
     one_and_two: tuple[TrainerGroup, TrainerGroup],

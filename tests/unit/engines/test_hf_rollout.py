@@ -13,8 +13,8 @@ from tiny_lm import EOS_ID, decode, encode
 
 from tandem.core.protocols import GenerationRequest, RolloutEngine, SamplingParams
 from tandem.core.records import FinishReason, ResumePolicy, Trajectory
-from tandem.engines.hf_rollout import EngineClosedError, HFRolloutEngine
-from tandem.engines.torch_train import TorchLogProbEngine
+from tandem.engines.text.rollout import EngineClosedError, HFRolloutEngine
+from tandem.engines.trainers.torch_train import TorchLogProbEngine
 from tandem.param_sync import SyncError
 from tests.unit.engines.weights_for_tests import push, push_from_inside_a_step
 

@@ -15,7 +15,7 @@ pytest.importorskip("megatron.core", reason="megatron-core is an optional extra:
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig, Qwen2Config
 
-from tandem.engines.megatron.convert import WeightLayout, hf_to_megatron, megatron_to_hf, transformer_config
+from tandem.engines.trainers.megatron.convert import WeightLayout, hf_to_megatron, megatron_to_hf, transformer_config
 from tandem.param_sync import unique_weights
 
 SHIPPED_MODEL = Path(__file__).parents[3] / "tasks" / "arithmetic" / "model"

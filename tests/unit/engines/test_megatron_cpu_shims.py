@@ -22,8 +22,8 @@ from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEm
 from megatron.core.tensor_parallel import get_cuda_rng_tracker
 from megatron.core.tensor_parallel import random as megatron_random
 
-from tandem.engines.megatron.cpu_shims import CpuMemoryBuffer, CpuRNGStatesTracker, cpu_shims, shims_active
-from tandem.engines.megatron.parallel import model_parallel
+from tandem.engines.trainers.megatron.cpu_shims import CpuMemoryBuffer, CpuRNGStatesTracker, cpu_shims, shims_active
+from tandem.engines.trainers.megatron.parallel import model_parallel
 
 CPU = torch.device("cpu")
 

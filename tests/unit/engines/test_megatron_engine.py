@@ -1,4 +1,5 @@
-"""A megatron-core trainer group (``engines.megatron.engine`` ranks in spawned processes) trains as one rank, and as HF, does.
+"""A megatron-core trainer group (``engines.trainers.megatron.engine`` ranks in spawned processes) trains as one
+rank, and as HF, does.
 
 The group equality tests run in float64 with one sample per micro-batch (as ``test_fsdp.py``'s):
 two data-parallel ranks compute the one-rank step up to the order of summing per-sample
@@ -23,8 +24,8 @@ from test_fsdp import max_weight_diff
 from test_torch_train import make_batch, pg_loss
 from transformers import AutoModelForCausalLM
 
-from tandem.engines.torch_train import TorchTrainEngine
-from tandem.engines.trainer_group import RankSpec, TrainerGroup
+from tandem.engines.trainers.group import RankSpec, TrainerGroup
+from tandem.engines.trainers.torch_train import TorchTrainEngine
 from tandem.param_sync import unique_weights
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]

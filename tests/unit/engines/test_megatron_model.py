@@ -8,7 +8,7 @@ largest gradient: measured here up to 8.8e-6, on layer 0's q_proj of the 4-layer
 tensor parallel 2, float32 rounding accumulated through the backward). Tensor parallel 1 runs in
 this process; tensor parallel 2 in two spawned gloo processes.
 
-The HF reference is computed here from the full logits, not through ``engines.torch_microbatch``,
+The HF reference is computed here from the full logits, not through ``engines.shared.microbatch``,
 so the index arithmetic of the batch is checked too.
 """
 
@@ -27,9 +27,9 @@ import torch
 import torch.multiprocessing as mp
 from test_megatron_convert import hf_model
 
-from tandem.engines.megatron.convert import build_gpt_model, gather_hf_tensors, load_hf_weights
-from tandem.engines.megatron.model import response_logprobs
-from tandem.engines.megatron.parallel import model_parallel
+from tandem.engines.trainers.megatron.convert import build_gpt_model, gather_hf_tensors, load_hf_weights
+from tandem.engines.trainers.megatron.model import response_logprobs
+from tandem.engines.trainers.megatron.parallel import model_parallel
 from tandem.param_sync import unique_weights
 
 CPU = torch.device("cpu")
@@ -42,7 +42,7 @@ GRAD_TOLERANCE = 2e-5  # relative to each tensor's largest HF gradient
 
 @dataclass(slots=True)
 class RightPaddedBatch:
-    """The ``ResponseBatch`` shape (``engines.torch_microbatch.collate``'s), built here for the test."""
+    """The ``ResponseBatch`` shape (``engines.shared.microbatch.collate``'s), built here for the test."""
 
     input_ids: torch.Tensor
     attention_mask: torch.Tensor

@@ -18,7 +18,7 @@ from tandem.engines.fake import FakeRolloutEngine, LatencySampler
 
 ray = pytest.importorskip("ray")
 
-from tandem.engines.ray_components import ActorFailedError, ActorRef, RayRolloutEngine
+from tandem.engines.ray.build import ActorFailedError, ActorRef, RayRolloutEngine
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import tests
 

@@ -24,7 +24,7 @@ from tandem.engines.server.schemas import (
     UpdateWeightFromDiskReqInput,
     UpdateWeightsFromTensorReqInput,
 )
-from tandem.engines.torch_train import TorchLogProbEngine
+from tandem.engines.trainers.torch_train import TorchLogProbEngine
 from tests.unit.engines.test_server_support import served
 
 LONG = 400  # tokens: long enough to be caught running

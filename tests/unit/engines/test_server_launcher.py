@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from tandem.core.config import validate_config
-from tandem.engines.server.components import server_fleet
+from tandem.engines.server.build import server_fleet
 from tandem.engines.server.launcher import ServerFleet, ServerLaunchError, ServerSpec, sglang_command, tandem_command
 from tandem.engines.server.weights import free_port
 

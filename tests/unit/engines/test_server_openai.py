@@ -16,7 +16,7 @@ from tandem.core.records import PromptGroup, TaskItem
 from tandem.engines.server.agent import OpenAIAgentWorkflow, agent_session, records_to_trajectory
 from tandem.engines.server.client import ServerClient
 from tandem.engines.server.router import ServerRolloutEngine, running
-from tandem.engines.torch_train import TorchLogProbEngine
+from tandem.engines.trainers.torch_train import TorchLogProbEngine
 from tests.unit.engines.test_server_support import served
 
 # Renders a conversation in the tiny vocabulary: each user turn ends with "=", answers follow.

@@ -18,7 +18,7 @@ from tandem.core.records import FinishReason, ResumePolicy, Trajectory
 from tandem.engines.server.app import RolloutServer, serve
 from tandem.engines.server.router import ServerRolloutEngine, running
 from tandem.engines.server.weights import free_port, post_json
-from tandem.engines.torch_train import TorchLogProbEngine
+from tandem.engines.trainers.torch_train import TorchLogProbEngine
 from tests.unit.engines.test_server_support import launched, served
 
 PROMPTS = ["1+2=", "34+5=", "6=", "78+90="]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.engines.tokenizer import load_tokenizer
+from tandem.engines.shared.tokenizer import load_tokenizer
 from tandem.tasks.arithmetic import MODEL_DIR, format_prompt
 from tandem.tasks.arithmetic.tokenizer import build_tokenizer
 

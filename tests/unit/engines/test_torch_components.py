@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from tandem.core.config import ConfigError, TandemConfig, validate_config
-from tandem.engines.tokenizer import load_tokenizer
-from tandem.engines.torch_components import prompt_budget, thread_budgets, tokenized, tokenized_held_out
+from tandem.engines.shared.tokenizer import load_tokenizer
+from tandem.engines.text.build import prompt_budget, thread_budgets, tokenized, tokenized_held_out
 from tandem.pipeline.builders import build_components
 from tandem.tasks.arithmetic import MODEL_DIR
 from tandem.tasks.dataset import FileItems

@@ -31,8 +31,8 @@ from tandem.algorithms.batch import LossInputs
 from tandem.algorithms.objective import LossMeanOver
 from tandem.core.config import AlgorithmConfig
 from tandem.core.records import Trajectory
-from tandem.engines.torch_ddp import TrainRankError, balance
-from tandem.engines.torch_train import TorchTrainEngine
+from tandem.engines.trainers.ddp import TrainRankError, balance
+from tandem.engines.trainers.torch_train import TorchTrainEngine
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -195,7 +195,7 @@ def test_close_ends_every_rank_process(model_dir: Path) -> None:
 
 DRIVER = """
 import sys
-from tandem.engines.torch_train import TorchTrainEngine
+from tandem.engines.trainers.torch_train import TorchTrainEngine
 if __name__ == "__main__":
     engine = TorchTrainEngine(sys.argv[1], lr=1e-2, world_size=2)
     import multiprocessing

@@ -1,4 +1,4 @@
-"""Weight sync between the embedded torch engines through param_sync (``engines.torch_sync``).
+"""Weight sync between the embedded torch engines through param_sync (``engines.shared.weight_sync``).
 
 Specification: after a sync the rollout serves the trainer's weights bit for bit, in both load
 modes; tokens generated while syncs land carry the version whose weights produced them; a
@@ -25,9 +25,9 @@ from tiny_lm import encode, save_tiny_model
 import tandem.param_sync.syncer as syncer_module
 from tandem.core.protocols import GenerationRequest, SamplingParams, WeightSync
 from tandem.core.records import FinishReason, ResumePolicy, Trajectory, token_trajectory
-from tandem.engines.hf_rollout import HFRolloutEngine
-from tandem.engines.torch_sync import TorchWeightSync, TrainerSyncSource
-from tandem.engines.torch_train import TorchLogProbEngine, TorchTrainEngine
+from tandem.engines.shared.weight_sync import TorchWeightSync, TrainerSyncSource
+from tandem.engines.text.rollout import HFRolloutEngine
+from tandem.engines.trainers.torch_train import TorchLogProbEngine, TorchTrainEngine
 from tandem.param_sync import (
     BucketHeader,
     BufferHalf,

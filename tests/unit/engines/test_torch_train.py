@@ -17,9 +17,9 @@ from tandem.algorithms.objective import LossMeanOver
 from tandem.core.config import AlgorithmConfig
 from tandem.core.protocols import GenerationRequest, LogProbEngine, LossObjective, SamplingParams, TrainEngine
 from tandem.core.records import FinishReason, Trajectory, token_trajectory
-from tandem.engines.hf_rollout import HFRolloutEngine
-from tandem.engines.torch_microbatch import plan_micro_batches
-from tandem.engines.torch_train import TorchLogProbEngine, TorchTrainEngine
+from tandem.engines.shared.microbatch import plan_micro_batches
+from tandem.engines.text.rollout import HFRolloutEngine
+from tandem.engines.trainers.torch_train import TorchLogProbEngine, TorchTrainEngine
 from tests.unit.engines.weights_for_tests import push
 
 LossFn = Callable[[LossInputs], tuple[torch.Tensor, dict[str, float]]]

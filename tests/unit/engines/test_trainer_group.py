@@ -1,4 +1,4 @@
-"""Trainer groups: the config that asks for one, the passes every rank engine shares, the staging buffer, a failed start.
+"""Trainer groups: the config that asks for one, the staging buffer, a failed start.
 
 The engines' own behaviour in a group (steps equal to one process's, checkpoints across group
 sizes, a killed rank) is in ``test_fsdp.py`` and ``test_megatron_engine.py``.
@@ -13,21 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_torch_train import make_batch, pg
-from transformers import AutoModelForCausalLM
 
 from tandem.core.config import ConfigError, validate_config
-from tandem.engines.torch_microbatch import MicroBatch, response_logprobs
-from tandem.engines.torch_train import StepTotals
-from tandem.engines.trainer_group import (
-    RankSpec,
-    Staging,
-    TrainerGroup,
-    TrainRankError,
-    accumulate_share,
-    micro_batch_plan,
-    score_share,
-)
+from tandem.engines.trainers.group import RankSpec, Staging, TrainerGroup, TrainRankError
 
 CPU = torch.device("cpu")
 
@@ -77,75 +65,6 @@ def test_on_ray_several_train_ranks_need_a_group_and_the_object_store() -> None:
         validate_config({**config(train="megatron"), "cluster": {"backend": "ray", "weight_transport": "dist"}})
 
 
-# ---------------------------------------------------------------- the passes of a rank
-
-
-@pytest.fixture(scope="module")
-def model(model_dir: Path) -> torch.nn.Module:
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64).eval()
-
-
-class CountingForward:
-    """The model's response log-probs, counting the passes."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.model = model
-        self.calls = 0
-
-    def __call__(self, batch: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        self.calls += 1
-        return response_logprobs(self.model, batch, 1.0)
-
-
-def gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
-
-
-def test_filler_passes_run_to_the_count_and_add_nothing(model: torch.nn.Module) -> None:
-    samples = make_batch(0)
-    totals = StepTotals("tokens", sum(s.num_trained for s in samples), len(samples))
-    planned = len(micro_batch_plan(samples, 32))
-    results = []
-    for passes in (0, planned + 3):
-        model.zero_grad(set_to_none=True)
-        forward = CountingForward(model)
-        sums, micro_batches = accumulate_share(
-            samples, forward, pg_objective, totals, max_tokens=32, device=CPU, version=0, passes=passes
-        )
-        assert forward.calls == max(passes, planned) and micro_batches == planned
-        scored = score_share(samples, forward, max_tokens=32, device=CPU, passes=passes)
-        results.append((sums, gradients(model), scored))
-    (sums, grads, scored), (padded_sums, padded_grads, padded_scored) = results
-    assert padded_sums == sums and padded_scored == scored
-    assert all(torch.equal(padded_grads[name], grads[name]) for name in grads)
-
-
-def test_an_objective_that_raises_still_runs_every_pass_then_raises(model: torch.nn.Module) -> None:
-    samples = make_batch(1)
-    totals = StepTotals("tokens", sum(s.num_trained for s in samples), len(samples))
-    calls = 0
-
-    def second_call_raises(inputs: object) -> tuple[torch.Tensor, dict[str, float]]:
-        nonlocal calls
-        calls += 1
-        if calls == 2:
-            raise ValueError("loss exploded")
-        return pg(inputs)  # type: ignore[arg-type]
-
-    second_call_raises.mean_over = "tokens"  # type: ignore[attr-defined]
-    forward = CountingForward(model)
-    with pytest.raises(ValueError, match="loss exploded"):
-        accumulate_share(samples, forward, second_call_raises, totals, max_tokens=32, device=CPU, version=0, passes=9)  # type: ignore[arg-type]
-    assert forward.calls == 9 and calls == 2  # the other ranks' collectives are met; no loss after the failure
-
-
-def pg_objective(inputs: object) -> tuple[torch.Tensor, dict[str, float]]:
-    return pg(inputs)  # type: ignore[arg-type]
-
-
-pg_objective.mean_over = "tokens"  # type: ignore[attr-defined]
-
-
 # ---------------------------------------------------------------- the staging buffer
 
 
@@ -188,7 +107,7 @@ def test_on_ray_each_rank_gets_an_actor_in_its_slot_and_every_bundle_stays_withi
     from collections import defaultdict
 
     from tandem.core.resources import plan_resources
-    from tandem.engines.ray_components import _one_placement_per_rank
+    from tandem.engines.ray.build import _one_placement_per_rank
 
     cluster = {"backend": "ray", "device_mapping": {"train": [0, 1], "generate": [1]}}
     cfg = validate_config({**config(data_parallel="fsdp2", train_world_size=2), "cluster": cluster})

@@ -13,8 +13,8 @@ import torch
 from tandem.algorithms.objective import ValueObjective
 from tandem.core.protocols import ValueEngine
 from tandem.core.records import FinishReason, Trajectory, token_trajectory
-from tandem.engines.torch_microbatch import collate
-from tandem.engines.value import TorchValueEngine, ValueModel
+from tandem.engines.shared.microbatch import collate
+from tandem.engines.trainers.critic import TorchValueEngine, ValueModel
 
 
 def batch(seed: int = 0, count: int = 6) -> list[Trajectory]:

@@ -19,7 +19,7 @@ from weights_for_tests import TensorSource
 
 from tandem.core.protocols import GenerationRequest, SamplingParams
 from tandem.core.records import ResumePolicy, Trajectory
-from tandem.engines.torch_train import TorchLogProbEngine, TorchTrainEngine
+from tandem.engines.trainers.torch_train import TorchLogProbEngine, TorchTrainEngine
 from tandem.engines.vllm.engine import VllmRolloutEngine, token_versions
 from tandem.engines.vllm.sync import VllmShmTransport, WeightProbe
 from tandem.param_sync import ParamSyncer, SyncError

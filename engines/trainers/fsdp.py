@@ -1,6 +1,6 @@
 """A torch FSDP2 train rank: any transformers causal LM, its weights, gradients and AdamW state sharded over a trainer group.
 
-What it owns: one rank of an ``engines.trainer_group`` group (``engines.data_parallel: fsdp2``):
+What it owns: one rank of an ``engines.trainers.group`` group (``engines.data_parallel: fsdp2``):
 ``torch.distributed``'s default process group over the group's ranks (gloo on CPU, NCCL on
 GPU), a transformers causal LM whose decoder layers (the classes the model lists in
 ``_no_split_modules``) and root are ``fully_shard``-ed over a 1-D mesh of every rank, and
@@ -43,9 +43,9 @@ from transformers import AutoModelForCausalLM
 
 from tandem.core.protocols import LossObjective
 from tandem.core.records import Trajectory
-from tandem.engines.torch_microbatch import MicroBatch, response_logprobs
-from tandem.engines.torch_train import StepTotals
-from tandem.engines.trainer_group import RankSpec, accumulate_share, score_share
+from tandem.engines.shared.microbatch import MicroBatch, response_logprobs
+from tandem.engines.trainers.group import RankSpec
+from tandem.engines.trainers.loss_loop import StepTotals, accumulate, score
 from tandem.param_sync import unique_weights
 
 __all__ = ["FSDPRank", "shard_model"]
@@ -71,7 +71,7 @@ def shard_model(model: torch.nn.Module, mesh: torch.distributed.device_mesh.Devi
 
 
 class FSDPRank:
-    """One FSDP2 rank (a ``engines.trainer_group.RankEngine``)."""
+    """One FSDP2 rank (a ``engines.trainers.group.RankEngine``)."""
 
     state_file = "trainer_fsdp2.pt"
 
@@ -94,7 +94,7 @@ class FSDPRank:
         return response_logprobs(self._model, batch, self._spec.temperature)
 
     def score(self, samples: list[Trajectory], passes: int) -> tuple[list[list[float]], list[list[float]]]:
-        scored = score_share(
+        scored = score(
             samples, self._forward, max_tokens=self._spec.max_tokens_per_micro_batch, device=self._device, passes=passes
         )
         # The root keeps its weights unsharded after a forward (a backward usually follows): with
@@ -105,7 +105,7 @@ class FSDPRank:
     def accumulate(
         self, samples: list[Trajectory], objective: LossObjective, totals: StepTotals, passes: int
     ) -> tuple[dict[str, float], int]:
-        return accumulate_share(
+        return accumulate(
             samples, self._forward, objective, totals,
             max_tokens=self._spec.max_tokens_per_micro_batch, device=self._device, version=self.version, passes=passes,
         )  # fmt: skip

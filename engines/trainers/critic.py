@@ -7,7 +7,7 @@ thread with its own AdamW optimizer and version (``core.protocols.ValueEngine``)
 
 The value of action ``t`` is the value of the state *before* it: the head reads the hidden state
 at the position whose logits predict token ``t`` (the same positions the policy's log-probs are
-read at, ``engines.torch_microbatch``), so values, log-probs and GAE line up action by action.
+read at, ``engines.shared.microbatch``), so values, log-probs and GAE line up action by action.
 The head starts at zero (every value 0 until the critic has trained): a neutral baseline, and
 the body starts from the pretrained weights (verl and OpenRLHF initialise their critics from
 the policy's checkpoint too). No dropout: the model stays in ``eval()`` mode while training, as
@@ -34,9 +34,9 @@ from tandem.algorithms.gae import ValueInputs
 from tandem.algorithms.metrics import accumulate_metrics
 from tandem.core.protocols import LossObjective
 from tandem.core.records import Trajectory
-from tandem.engines.threads import budgeted_executor
-from tandem.engines.torch_microbatch import MicroBatch, collate, plan_micro_batches, token_payload
-from tandem.engines.torch_train import StepTotals
+from tandem.engines.shared.microbatch import MicroBatch, collate, plan_micro_batches, token_payload
+from tandem.engines.shared.threads import budgeted_executor
+from tandem.engines.trainers.loss_loop import StepTotals, padded
 
 __all__ = ["CRITIC_STATE_FILE", "TorchValueEngine", "ValueModel"]
 
@@ -154,8 +154,8 @@ class TorchValueEngine:
             mask = batch.loss_mask
             inputs = ValueInputs(
                 values=self._model(batch),
-                old_values=_padded([s.values for s in rows], mask),
-                returns=_padded([s.returns for s in rows], mask),
+                old_values=padded([s.values for s in rows], mask),
+                returns=padded([s.returns for s in rows], mask),
                 mask=mask,
             )
             loss, metrics = objective(inputs)
@@ -180,12 +180,3 @@ class TorchValueEngine:
         self._model.load_state_dict(state["model"])
         self._optimizer.load_state_dict(state["optimizer"])
         self._version = state["version"]
-
-
-def _padded(rows: list[list[float] | None], mask: torch.Tensor) -> torch.Tensor:
-    """Right-pad per-action values to ``mask``'s shape with zeros (present: checked by the caller)."""
-    out = torch.zeros(mask.shape, dtype=torch.float32)
-    for b, values in enumerate(rows):
-        assert values is not None
-        out[b, : len(values)] = torch.tensor(values, dtype=torch.float32)
-    return out.to(mask.device)

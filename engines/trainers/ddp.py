@@ -53,11 +53,12 @@ import torch.distributed as dist
 from tandem.algorithms.metrics import merge_metric_sums
 from tandem.core.protocols import LossObjective
 from tandem.core.records import Trajectory
-from tandem.engines.threads import apply_thread_budget
-from tandem.engines.torch_microbatch import token_payload
+from tandem.engines.shared.microbatch import token_payload
+from tandem.engines.shared.threads import apply_thread_budget
 
 if TYPE_CHECKING:
-    from tandem.engines.torch_train import StepTotals, TorchTrainEngine
+    from tandem.engines.trainers.loss_loop import StepTotals
+    from tandem.engines.trainers.torch_train import TorchTrainEngine
 
 __all__ = ["DataParallelRanks", "TrainRankError", "all_reduce_gradients", "balance", "broadcast_parameters"]
 
@@ -221,17 +222,22 @@ def _state_bytes(state: dict[str, Any]) -> bytes:
 
 
 def _rank_main(
-    rank: int, world_size: int, port: int, model_path: str, replica: dict[str, Any], conn: Connection
+    rank: int,
+    world_size: int,
+    port: int,
+    engine_class: type[TorchTrainEngine],
+    model_path: str,
+    replica: dict[str, Any],
+    conn: Connection,
 ) -> None:
-    """A rank process: build the replica, join the group, serve the driver until end-of-file."""
-    from tandem.engines.torch_train import TorchTrainEngine
-
+    """A rank process: build the replica (rank 0's own class, so this module imports no trainer
+    and no cycle forms), join the group, serve the driver until end-of-file."""
     # Ctrl-C reaches the whole process group; the driver decides when ranks stop (end-of-file).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # This thread computes (the replica's own worker thread stays unused): budget it first.
     apply_thread_budget(replica["num_threads"])
     try:
-        engine = TorchTrainEngine(model_path, **replica)
+        engine = engine_class(model_path, **replica)
     except Exception:
         conn.send(Failed(traceback.format_exc()))
         return
@@ -260,7 +266,7 @@ def _serve_step(engine: TorchTrainEngine, group: dist.ProcessGroup, conn: Connec
     engine._optimizer.zero_grad(set_to_none=True)
     try:
         loss_fn = pickle.loads(share.loss_fn)
-        sums, micro_batches = engine._accumulate(share.samples, list(range(len(share.samples))), loss_fn, share.totals)
+        sums, micro_batches = engine._accumulate(share.samples, loss_fn, share.totals)
         conn.send(Accumulated(sums, micro_batches))
     except Exception:
         conn.send(Failed(traceback.format_exc()))
@@ -311,7 +317,7 @@ class DataParallelRanks:
                 ours, theirs = context.Pipe()
                 process = context.Process(
                     target=_rank_main,
-                    args=(rank, world_size, self._store.port, model_path, replica, theirs),
+                    args=(rank, world_size, self._store.port, type(engine), model_path, replica, theirs),
                     name=f"tandem-train-rank{rank}",
                     daemon=True,  # ended by multiprocessing when the driver exits
                 )
@@ -329,16 +335,17 @@ class DataParallelRanks:
             raise
 
     def train_step(
-        self, samples: list[Trajectory], trained: list[int], loss_fn: LossObjective, totals: StepTotals
+        self, samples: list[Trajectory], loss_fn: LossObjective, totals: StepTotals
     ) -> tuple[dict[str, float], int, float]:
-        """One data-parallel optimizer step; returns (weighted metric sums, micro-batches, grad norm)."""
+        """One data-parallel optimizer step over ``samples`` (each with trained tokens); returns
+        (weighted metric sums, micro-batches, grad norm)."""
         self._check_usable()
         try:
             pickled = pickle.dumps(loss_fn)
         except Exception as exc:
             raise TypeError(f"loss_fn must be picklable to reach the other train ranks: {exc}") from exc
-        costs = [len(token_payload(samples[i]).prompt_ids) + samples[i].num_actions for i in trained]
-        shares = [[trained[j] for j in share] for share in balance(costs, len(self._ranks) + 1)]
+        costs = [len(token_payload(s).prompt_ids) + s.num_actions for s in samples]
+        shares = balance(costs, len(self._ranks) + 1)
         for r, share in zip(self._ranks, shares[1:], strict=True):
             self._send(r, TrainShare([samples[i] for i in share], pickled, totals))
 
@@ -348,7 +355,7 @@ class DataParallelRanks:
         sums: dict[str, float] = {}
         micro_batches = 0
         try:
-            sums, micro_batches = engine._accumulate(samples, shares[0], loss_fn, totals)
+            sums, micro_batches = engine._accumulate([samples[i] for i in shares[0]], loss_fn, totals)
         except Exception as exc:  # raised below, once every rank is told to drop the step
             local_error = exc
         replies = [self._receive(r) for r in self._ranks]

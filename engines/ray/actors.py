@@ -1,7 +1,7 @@
 """The Ray actors that host the embedded torch engines, one engine per actor process.
 
 Each actor builds its engine from the run's config with the same builders the in-process
-backend uses (``engines.torch_components``), so both backends compute identically; only the
+backend uses (``engines.text.build``), so both backends compute identically; only the
 process boundary differs. Methods are ``async``: an actor serves several calls at once (a
 rollout actor streams many ``generate`` calls into one continuous batch), and the engines keep
 their blocking compute on their own worker threads, never on the actor's event loop.
@@ -13,7 +13,7 @@ their blocking compute on their own worker threads, never on the actor's event l
 - :class:`TrainerActor`: the trained policy (``TorchTrainEngine``) and the trainer end of weight sync
   (``TorchWeightSync`` over an :class:`ObjectStoreTransport` to the rollout actors, or over a
   ``DistTransport`` broadcasting to them in a gloo group, where they serve it on a thread).
-- :class:`TrainRankActor`: one rank of a trainer group (``engines.trainer_group``: FSDP2 or
+- :class:`TrainRankActor`: one rank of a trainer group (``engines.trainers.group``: FSDP2 or
   megatron-core), one per train slot; the flow drives the group from its own process, and rank 0
   sends the group's gathered weights to the rollout actors through the object store.
 - :class:`ReferenceActor`: the frozen reference model; :class:`RewardActor`: the task's reward.
@@ -57,7 +57,7 @@ _GLOO_TIMEOUT = datetime.timedelta(minutes=2)
 @ray.remote(concurrency_groups={"weights": 1024})
 class RolloutActor:
     def __init__(self, config: TandemConfig, name: str, num_threads: int) -> None:
-        from tandem.engines.torch_components import rollout_engine
+        from tandem.engines.text.build import rollout_engine
 
         _quiet()
         self.name = name
@@ -100,8 +100,8 @@ class RolloutActor:
 @ray.remote
 class TrainerActor:
     def __init__(self, config: TandemConfig, num_threads: int) -> None:
-        from tandem.engines.tokenizer import load_tokenizer
-        from tandem.engines.torch_components import resolve_model_path, train_engine
+        from tandem.engines.shared.tokenizer import load_tokenizer
+        from tandem.engines.text.build import resolve_model_path, train_engine
 
         _quiet()
         self.config = config
@@ -133,7 +133,7 @@ class TrainerActor:
         self._sync_over(DistTransport(src=0))
 
     def _sync_over(self, transport: Any) -> None:
-        from tandem.engines.torch_sync import TorchWeightSync, TrainerSyncSource
+        from tandem.engines.shared.weight_sync import TorchWeightSync, TrainerSyncSource
         from tandem.param_sync import ParamSyncer
 
         source = TrainerSyncSource(self.engine)
@@ -158,20 +158,20 @@ class TrainerActor:
         return os.getpid(), self.engine.version
 
     async def save_checkpoint(self, folder: str) -> None:
-        from tandem.engines.torch_components import save_checkpoint
+        from tandem.engines.text.build import save_checkpoint
 
         await asyncio.to_thread(save_checkpoint, self.engine, self.tokenizer, Path(folder))
 
 
 @ray.remote(concurrency_groups={"weights": 1})
 class TrainRankActor:
-    """One rank of a trainer group (``engines.trainer_group.RankServer``), computing on a worker
+    """One rank of a trainer group (``engines.trainers.group.RankServer``), computing on a worker
     thread of its own (one thread: a CUDA device and torch's thread budget are per thread). Rank 0
     also sends the group's staged weights to the rollout actors, in the ``weights`` group, while
     the ranks train on."""
 
     def __init__(self, config: TandemConfig, num_threads: int) -> None:
-        from tandem.engines.threads import budgeted_executor
+        from tandem.engines.shared.threads import budgeted_executor
 
         _quiet()
         self.config = config
@@ -184,13 +184,13 @@ class TrainRankActor:
 
     async def address(self) -> str:
         """A rendezvous address on this actor's node (rank 0's) for the group's process group."""
-        from tandem.engines.trainer_group import free_address
+        from tandem.engines.trainers.group import free_address
 
         return free_address(ray.util.get_node_ip_address())
 
     async def start(self, spec: Any, rank: int, world_size: int, init_method: str) -> object:
         """Build the rank and join the group; ``Ready``, or ``Failed`` with the traceback."""
-        from tandem.engines.trainer_group import start_rank
+        from tandem.engines.trainers.group import start_rank
 
         def build() -> object:
             self.server, reply = start_rank(spec, rank=rank, world_size=world_size, init_method=init_method, local=False)
@@ -204,7 +204,7 @@ class TrainRankActor:
     @ray.method(concurrency_group="weights")
     async def connect(self, rollouts: list[tuple[str, Any]]) -> None:
         """Rank 0: sync the staged weights through the object store to these rollout actors."""
-        from tandem.engines.torch_sync import TorchWeightSync, TrainerSyncSource
+        from tandem.engines.shared.weight_sync import TorchWeightSync, TrainerSyncSource
         from tandem.param_sync import ParamSyncer
 
         source = TrainerSyncSource(self.server)  # the staged weights, under the staging lock
@@ -234,7 +234,7 @@ def _init_gloo(address: str, rank: int, world_size: int) -> None:
 @ray.remote
 class ReferenceActor:
     def __init__(self, config: TandemConfig, num_threads: int) -> None:
-        from tandem.engines.torch_components import reference_engine
+        from tandem.engines.text.build import reference_engine
 
         _quiet()
         self.engine = reference_engine(config, num_threads)

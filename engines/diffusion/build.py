@@ -3,12 +3,12 @@
 The rollout engine (``engines.diffusion.rollout``) and the train engine
 (``engines.diffusion.train``) each load the generator the task ships (or
 ``engines.model_path``); the workflow samples with the ``diffusion`` section's plan; weights
-move by param_sync's path (``engines.torch_sync``: the trainer's weights gathered under its
+move by param_sync's path (``engines.shared.weight_sync``: the trainer's weights gathered under its
 weights lock into a dual buffer and loaded into the rollout engine's ``target`` bucket by
 bucket, between denoising steps). The task's items and held-out set pass through as they are
 (an image prompt has no tokens); the reward comes ready from the builder.
 
-Thread budgets are the text workload's (``engines.torch_components.thread_budgets``): split
+Thread budgets are the text workload's (``engines.text.build.thread_budgets``): split
 the cores when generation overlaps training (k >= 1), all of them each when they take turns.
 """
 
@@ -23,8 +23,8 @@ from tandem.engines.diffusion.model import MODEL_INDEX
 from tandem.engines.diffusion.rollout import DiffusionRolloutEngine
 from tandem.engines.diffusion.train import DiffusionTrainEngine
 from tandem.engines.diffusion.workflow import ImageWorkflow
-from tandem.engines.torch_components import TORCH_DTYPES, thread_budgets
-from tandem.engines.torch_sync import TorchWeightSync, TrainerSyncSource
+from tandem.engines.shared.weight_sync import TorchWeightSync, TrainerSyncSource
+from tandem.engines.text.build import TORCH_DTYPES, thread_budgets
 from tandem.param_sync import InProcessTransport, ParamSyncer, Receiver
 
 __all__ = [
@@ -112,7 +112,7 @@ def build_image_components(config: TandemConfig, setup: TaskSetup) -> Components
     except BaseException:
         rollout.close()
         raise
-    source = TrainerSyncSource(trainer)  # type: ignore[arg-type]  # any trainer with weights_for_sync and version
+    source = TrainerSyncSource(trainer)
     ps = config.param_sync
     transport = InProcessTransport([Receiver(rollout.target, consume_bucket_mb=ps.consume_bucket_mb)])
     weight_sync = TorchWeightSync(source, ParamSyncer(source, transport, produce_bucket_mb=ps.produce_bucket_mb))

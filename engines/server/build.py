@@ -33,7 +33,7 @@ from tandem.engines.server.client import ServerClient
 from tandem.engines.server.launcher import ServerFleet, ServerSpec, sglang_command, tandem_command
 from tandem.engines.server.router import ServerRolloutEngine
 from tandem.engines.server.weights import DiskTransport, HttpDistTransport, HttpShmTransport, ServerWeightSync, free_port
-from tandem.engines.torch_sync import TorchWeightSync, TrainerSyncSource
+from tandem.engines.shared.weight_sync import TorchWeightSync, TrainerSyncSource
 from tandem.param_sync import ParamSyncer, Transport
 
 __all__ = ["ServerKind", "build_server_components", "server_fleet"]
@@ -82,9 +82,8 @@ def server_fleet(
 def build_server_components(config: TandemConfig, setup: TaskSetup, kind: ServerKind | None = None) -> Components:
     """The text workload's bundle with generation in servers (see the module docstring); ``kind``
     None: tandem serve or sglang, as ``engines.rollout`` says."""
-    from tandem.engines.text_workflow import SingleTurnWorkflow
-    from tandem.engines.tokenizer import load_tokenizer
-    from tandem.engines.torch_components import (
+    from tandem.engines.shared.tokenizer import load_tokenizer
+    from tandem.engines.text.build import (
         prompt_budget,
         reference_engine,
         resolve_model_path,
@@ -95,6 +94,7 @@ def build_server_components(config: TandemConfig, setup: TaskSetup, kind: Server
         tokenized_held_out,
         train_engine,
     )
+    from tandem.engines.text.workflow import SingleTurnWorkflow
 
     spec = config.engines
     assert isinstance(spec, TorchEnginesConfig)

@@ -2,7 +2,7 @@
 
 Tasks of kind ``episode`` (``core.environment.EnvironmentTask``) train a token model, so the
 engines, weight sync, data and thread budgets are the text workload's
-(``engines.torch_components``, or ``engines.ray_components`` with the engines as Ray actors);
+(``engines.text.build``, or ``engines.ray.build`` with the engines as Ray actors);
 what differs is the rollout workflow, resolved from ``agentic.workflow``
 (``engines.agentic.registry``), and the :class:`~core.environment.EnvironmentRunner` that runs
 the task's environments off the event loop (``agentic.isolation``, ``agentic.env_timeout_s``,
@@ -24,8 +24,9 @@ from tandem.core.environment import EnvironmentRunner, EnvironmentTask
 from tandem.core.protocols import RolloutEngine
 from tandem.engines.agentic.registry import load_workflow
 from tandem.engines.agentic.workflow import WorkflowContext
-from tandem.engines.tokenizer import load_tokenizer
-from tandem.engines.torch_components import build_torch_components, prompt_budget, resolve_model_path, sampling_params
+from tandem.engines.build import build_text_components
+from tandem.engines.shared.tokenizer import load_tokenizer
+from tandem.engines.text.build import prompt_budget, resolve_model_path, sampling_params
 
 __all__ = ["build_episode_components", "build_ray_episode_components", "episode_budget"]
 
@@ -92,7 +93,7 @@ def build_episode_components(config: TandemConfig, setup: TaskSetup) -> Componen
             f"engines.rollout={spec.rollout}: the episode workload drives a rollout engine in this process (embedded or vllm)"
         )
     _environment_task(setup, config)  # before any engine starts: a task without an environment fails fast
-    components = build_torch_components(config, setup)
+    components = build_text_components(config, setup)
     try:
         return _with_workflow(config, setup, components, components.workflow.engine)  # type: ignore[attr-defined]
     except BaseException:
@@ -103,7 +104,7 @@ def build_episode_components(config: TandemConfig, setup: TaskSetup) -> Componen
 def build_ray_episode_components(config: TandemConfig, setup: TaskSetup) -> Components:
     """The episode workload with the engines as Ray actors: the workflow and environments stay in
     this process and drive the rollout actors turn by turn."""
-    from tandem.engines.ray_components import build_ray_components
+    from tandem.engines.ray.build import build_ray_components
 
     _environment_task(setup, config)
     components = build_ray_components(config, setup)

@@ -2,7 +2,7 @@
 
 What it owns: the lifetime of the process-global state megatron-core reads — the default
 ``torch.distributed`` process group, megatron's model-parallel groups (``parallel_state``) and, on
-CPU, the shims of ``engines.megatron.cpu_shims``. Everything megatron builds or runs in this
+CPU, the shims of ``engines.trainers.megatron.cpu_shims``. Everything megatron builds or runs in this
 process happens inside :func:`model_parallel`.
 
 Invariants:
@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
-from tandem.engines.megatron.cpu_shims import cpu_shims
+from tandem.engines.trainers.megatron.cpu_shims import cpu_shims
 
 __all__ = ["model_parallel"]
 

@@ -3,10 +3,10 @@
 What it owns: the two actor classes that host the diffusion engines
 (:class:`DiffusionRolloutActor`, :class:`DiffusionTrainerActor`) and the builder that places
 them. Everything else is the text workload's Ray backend, reused as it is
-(``engines.ray_components``): the cluster connection and placement plan, the proxies the
+(``engines.ray.build``): the cluster connection and placement plan, the proxies the
 flow awaits (a rollout call's groups split between rollout actors and their streams merged,
 the trainer, the reward), weight sync through the object store or a gloo group, and the
-reward actor (``engines.ray_actors.RewardActor``), which is the served judge here: one
+reward actor (``engines.ray.actors.RewardActor``), which is the served judge here: one
 process hosting the task's reward, shared by every caller (the reward and validate roles).
 
 The actors differ from the text ones only in the engine they build and in the final export;
@@ -35,10 +35,10 @@ from tandem.core.config import TandemConfig
 from tandem.core.protocols import LossObjective, SyncReport
 from tandem.core.records import Trajectory
 from tandem.core.resources import ActorPlacement
-from tandem.engines.diffusion.components import check_image_config, image_workflow
+from tandem.engines.diffusion.build import check_image_config, image_workflow
 from tandem.engines.diffusion.rollout import DenoiseRequest
-from tandem.engines.ray_actors import RewardActor
-from tandem.engines.ray_components import (
+from tandem.engines.ray.actors import RewardActor
+from tandem.engines.ray.build import (
     ActorRef,
     RayReward,
     RayRolloutEngine,
@@ -62,7 +62,7 @@ _GLOO_TIMEOUT = datetime.timedelta(minutes=2)
 @ray.remote(concurrency_groups={"weights": 1024})
 class DiffusionRolloutActor:
     def __init__(self, config: TandemConfig, name: str, num_threads: int) -> None:
-        from tandem.engines.diffusion.components import image_rollout_engine
+        from tandem.engines.diffusion.build import image_rollout_engine
 
         self.name = name
         self.engine = image_rollout_engine(config, num_threads)
@@ -103,7 +103,7 @@ class DiffusionRolloutActor:
 @ray.remote
 class DiffusionTrainerActor:
     def __init__(self, config: TandemConfig, num_threads: int) -> None:
-        from tandem.engines.diffusion.components import image_train_engine
+        from tandem.engines.diffusion.build import image_train_engine
 
         self.config = config
         self.engine = image_train_engine(config, num_threads)
@@ -131,10 +131,10 @@ class DiffusionTrainerActor:
         self._sync_over(DistTransport(src=0))
 
     def _sync_over(self, transport: Any) -> None:
-        from tandem.engines.torch_sync import TorchWeightSync, TrainerSyncSource
+        from tandem.engines.shared.weight_sync import TorchWeightSync, TrainerSyncSource
         from tandem.param_sync import ParamSyncer
 
-        source = TrainerSyncSource(self.engine)  # type: ignore[arg-type]
+        source = TrainerSyncSource(self.engine)
         syncer = ParamSyncer(source, transport, produce_bucket_mb=self.config.param_sync.produce_bucket_mb)
         self.weight_sync = TorchWeightSync(source, syncer)
 

@@ -24,16 +24,34 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from contextlib import AbstractContextManager
+from typing import Protocol
 
 import torch
 
 from tandem.core.protocols import SyncReport
-from tandem.engines.hf_rollout import HFRolloutEngine
-from tandem.engines.torch_train import TorchTrainEngine
-from tandem.param_sync import GatherError, InProcessTransport, ParamSyncer, Receiver
+from tandem.param_sync import GatherError, InProcessTransport, ModuleTarget, ParamSyncer, Receiver
 
-__all__ = ["TorchWeightSync", "TrainerMovedOnError", "TrainerSyncSource"]
+__all__ = ["LoadsWeights", "SyncedTrainer", "TorchWeightSync", "TrainerMovedOnError", "TrainerSyncSource"]
+
+
+class SyncedTrainer(Protocol):
+    """What a sync reads of a trainer (``TorchTrainEngine``, the diffusion trainer, a trainer
+    group, a Ray actor's staged weights): its version, and its weights under the lock that keeps
+    them and their version together."""
+
+    @property
+    def version(self) -> int: ...
+
+    def weights_for_sync(self) -> AbstractContextManager[tuple[int, Mapping[str, torch.Tensor]]]: ...
+
+
+class LoadsWeights(Protocol):
+    """A rollout engine in this process, loading through a ``param_sync.ModuleTarget``."""
+
+    @property
+    def target(self) -> ModuleTarget: ...
 
 
 class TrainerMovedOnError(GatherError):
@@ -43,7 +61,7 @@ class TrainerMovedOnError(GatherError):
 class TrainerSyncSource:
     """The trainer's weights as a :class:`~param_sync.SyncSource`, read under its weights lock."""
 
-    def __init__(self, trainer: TorchTrainEngine) -> None:
+    def __init__(self, trainer: SyncedTrainer) -> None:
         self.trainer = trainer
         self._expected: int | None = None
 
@@ -84,8 +102,8 @@ class TorchWeightSync:
     @classmethod
     def in_process(
         cls,
-        trainer: TorchTrainEngine,
-        rollout: HFRolloutEngine,
+        trainer: SyncedTrainer,
+        rollout: LoadsWeights,
         *,
         produce_bucket_mb: float,
         consume_bucket_mb: float,

@@ -203,7 +203,7 @@ def _transformer_engine_available() -> bool:
 def build_gpt_model(config: PretrainedConfig, *, dtype: torch.dtype, device: torch.device) -> tuple[GPTModel, WeightLayout]:
     """This rank's ``GPTModel`` for an HF config (weights uninitialised: see :func:`load_hf_weights`).
 
-    Needs megatron's parallel state (``engines.megatron.parallel.model_parallel``): the model is
+    Needs megatron's parallel state (``engines.trainers.megatron.parallel.model_parallel``): the model is
     this process's tensor-parallel shard. The Transformer Engine spec is used on CUDA when TE is
     importable (TE has no CPU kernels); otherwise megatron's local spec.
     """

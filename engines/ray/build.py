@@ -48,10 +48,10 @@ from tandem.core.config import ConfigError, TandemConfig, TorchEnginesConfig
 from tandem.core.protocols import GenerationRequest, LossObjective, RewardResult, SyncReport
 from tandem.core.records import PromptGroup, Trajectory
 from tandem.core.resources import ActorPlacement, ResourcePlan, plan_resources
-from tandem.engines.ray_actors import ReferenceActor, RewardActor, RolloutActor, TrainerActor, TrainRankActor
+from tandem.engines.ray.actors import ReferenceActor, RewardActor, RolloutActor, TrainerActor, TrainRankActor
 
 if TYPE_CHECKING:
-    from tandem.engines.trainer_group import TrainerGroup
+    from tandem.engines.trainers.group import TrainerGroup
 
 __all__ = [
     "ActorFailedError",
@@ -377,8 +377,8 @@ def _one_placement_per_rank(config: TandemConfig, placements: list[ActorPlacemen
 
 def _trainer_group(config: TandemConfig, ranks: list[ActorRef]) -> TrainerGroup:
     """Start the rank actors as one trainer group (waits until every rank has joined)."""
-    from tandem.engines.torch_components import resolve_model_path
-    from tandem.engines.trainer_group import RankSpec, RayRanks, TrainerGroup
+    from tandem.engines.text.build import resolve_model_path
+    from tandem.engines.trainers.group import RankSpec, RayRanks, TrainerGroup
 
     spec = config.engines
     assert isinstance(spec, TorchEnginesConfig)
@@ -394,15 +394,15 @@ def build_ray_components(config: TandemConfig, setup: TaskSetup) -> Components:
     placement group, and stops the cluster if this started it; it runs on success, error and
     Ctrl-C alike (the flow closes the components it built in a ``finally``).
     """
-    from tandem.engines.text_workflow import SingleTurnWorkflow
-    from tandem.engines.tokenizer import load_tokenizer
-    from tandem.engines.torch_components import (
+    from tandem.engines.shared.tokenizer import load_tokenizer
+    from tandem.engines.text.build import (
         prompt_budget,
         resolve_model_path,
         sampling_params,
         tokenized,
         tokenized_held_out,
     )
+    from tandem.engines.text.workflow import SingleTurnWorkflow
 
     spec = config.engines
     assert isinstance(spec, TorchEnginesConfig)

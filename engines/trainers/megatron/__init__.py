@@ -4,7 +4,7 @@
 - ``parallel``: torch.distributed plus megatron's parallel state for one process, set up and torn down;
 - ``convert``: Hugging Face Llama/Qwen2 ↔ megatron ``GPTModel`` (config, model, weights, tensor-parallel shards);
 - ``model``: per-token response log-probs from a ``GPTModel``, vocabulary-parallel;
-- ``engine``: one rank of a trainer group (``engines.trainer_group``, ``engines.train: megatron``):
+- ``engine``: one rank of a trainer group (``engines.trainers.group``, ``engines.train: megatron``):
   the model, its optimizer, gradient reduction, gathered weights and checkpoints.
 
 What runs on CPU: the ``GPTModel`` forward and backward (local layer spec) with tensor parallel

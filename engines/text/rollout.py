@@ -51,8 +51,8 @@ from transformers.cache_utils import DynamicLayer
 from tandem.core.protocols import GenerationRequest
 from tandem.core.records import FinishReason, ResumePolicy, Trajectory, token_trajectory
 from tandem.core.threadsafe import post_to_loop
-from tandem.engines.threads import ClosesOnAThread, apply_thread_budget
-from tandem.engines.tokenizer import load_tokenizer
+from tandem.engines.shared.threads import ClosesOnAThread, apply_thread_budget
+from tandem.engines.shared.tokenizer import load_tokenizer
 from tandem.param_sync import GateClosedError, LoadMode, ModuleTarget
 
 __all__ = ["EngineClosedError", "HFRolloutEngine", "validate_request"]

@@ -5,14 +5,14 @@ the flow sees), the rank side that serves it (:class:`RankServer`), the messages
 and the two ways to host ranks: processes spawned by this process (:class:`LocalRanks`) or Ray
 actors placed one per slot (:class:`RayRanks`). Each rank's model, optimizer and collectives are
 a :class:`RankEngine` the rank builds from a :class:`RankSpec`: torch FSDP2 over any
-transformers model (``engines.fsdp.FSDPRank``) or megatron-core (``engines.megatron.engine.
+transformers model (``engines.trainers.fsdp.FSDPRank``) or megatron-core (``engines.trainers.megatron.engine.
 MegatronRank``). The driver holds no weights and joins no process group: every rank is a
 process of its own, with ``torch.distributed``'s default group over the ranks (gloo on CPU,
 NCCL on GPU).
 
 A step, as the driver runs it:
 1. the trained trajectories are split across the data-parallel replicas balanced by tokens
-   (``engines.torch_ddp.balance``); the tensor-parallel ranks of one replica get the same share;
+   (``engines.trainers.ddp.balance``); the tensor-parallel ranks of one replica get the same share;
    every rank is told ``passes``, the most micro-batches any rank has, so an engine whose
    forward is a collective (FSDP2 all-gathers weights in it) runs equally many on every rank;
 2. every rank accumulates its share's gradient, each micro-batch loss weighted by its share of
@@ -64,15 +64,14 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
-from tandem.algorithms.batch import LossInputs
-from tandem.algorithms.metrics import accumulate_metrics, merge_metric_sums
+from tandem.algorithms.metrics import merge_metric_sums
 from tandem.core.config import TandemConfig, TorchEnginesConfig
 from tandem.core.protocols import LossObjective
-from tandem.core.records import FinishReason, Trajectory, token_trajectory
-from tandem.engines.threads import ClosesOnAThread, apply_thread_budget
-from tandem.engines.torch_ddp import TrainRankError, balance
-from tandem.engines.torch_microbatch import MicroBatch, collate, plan_micro_batches, token_payload
-from tandem.engines.torch_train import StepTotals, _check_trainable, _padded
+from tandem.core.records import Trajectory
+from tandem.engines.shared.microbatch import token_payload
+from tandem.engines.shared.threads import ClosesOnAThread, apply_thread_budget
+from tandem.engines.trainers.ddp import TrainRankError, balance
+from tandem.engines.trainers.loss_loop import StepTotals, check_trainable, micro_batch_plan
 
 __all__ = [
     "RANK_ENGINES",
@@ -84,17 +83,18 @@ __all__ = [
     "Staging",
     "TrainRankError",
     "TrainerGroup",
-    "accumulate_share",
     "free_address",
     "rank_device",
     "save_hf_folder",
-    "score_share",
     "start_rank",
 ]
 
 _T = TypeVar("_T")
 # The rank engines by the config's name for them ("module:Class", imported in the rank only).
-RANK_ENGINES = {"fsdp2": "tandem.engines.fsdp:FSDPRank", "megatron": "tandem.engines.megatron.engine:MegatronRank"}
+RANK_ENGINES = {
+    "fsdp2": "tandem.engines.trainers.fsdp:FSDPRank",
+    "megatron": "tandem.engines.trainers.megatron.engine:MegatronRank",
+}
 # How long close() lets a rank leave on end-of-file (or a broken group's rank, stuck in a
 # collective, be) before killing it.
 _EXIT_TIMEOUT_S = 10.0
@@ -124,7 +124,7 @@ class RankSpec:
 
     @classmethod
     def from_config(cls, config: TandemConfig, model_path: str, num_threads: int) -> RankSpec:
-        """The ranks a torch config describes (``engines.trainer_group`` names their engine)."""
+        """The ranks a torch config describes (``engines.trainers.group`` names their engine)."""
         spec = config.engines
         assert isinstance(spec, TorchEnginesConfig) and spec.trainer_group is not None
         return cls(
@@ -190,111 +190,6 @@ class RankEngine(Protocol):
         ...
 
     def close(self) -> None: ...
-
-
-# ---------------------------------------------------------------- the loops every rank engine shares
-
-Forward = Callable[[MicroBatch], tuple[torch.Tensor, torch.Tensor]]
-# A one-token row: what a rank in lockstep forwards when it has no micro-batch left.
-_FILLER = token_trajectory(-1, 0, [0], [0], [0.0], [0], FinishReason.LENGTH)
-
-
-def micro_batch_plan(samples: Sequence[Trajectory], max_tokens: int) -> list[list[int]]:
-    """The micro-batches of ``samples`` (``engines.torch_microbatch.plan_micro_batches`` over prompt + response lengths)."""
-    lengths = [len(token_payload(s).prompt_ids) + s.num_actions for s in samples]
-    return plan_micro_batches(lengths, max_tokens)
-
-
-def _passes(
-    samples: Sequence[Trajectory], max_tokens: int, device: torch.device, passes: int
-) -> Iterator[MicroBatch | None]:
-    """The micro-batches, then ``None`` (a filler pass) until ``passes`` passes were made."""
-    plan = micro_batch_plan(samples, max_tokens)
-    for indices in plan:
-        yield collate(samples, indices, device)
-    for _ in range(passes - len(plan)):
-        yield None
-
-
-def score_share(
-    samples: list[Trajectory], forward: Forward, *, max_tokens: int, device: torch.device, passes: int = 0
-) -> tuple[list[list[float]], list[list[float]]]:
-    """Per-token log-probs and entropies of ``samples`` (empty for a trajectory without actions);
-    ``passes > 0`` pads with filler forwards to that many (lockstep engines)."""
-    logprobs: list[list[float]] = [[] for _ in samples]
-    entropies: list[list[float]] = [[] for _ in samples]
-    with torch.no_grad():
-        for batch in _passes(samples, max_tokens, device, passes):
-            token_logp, entropy = forward(batch if batch is not None else collate([_FILLER], [0], device))
-            if batch is None:
-                continue
-            for row, i in enumerate(batch.indices):
-                n = samples[i].num_actions
-                logprobs[i] = token_logp[row, :n].tolist()
-                entropies[i] = entropy[row, :n].tolist()
-    return logprobs, entropies
-
-
-def loss_inputs(
-    samples: Sequence[Trajectory], batch: MicroBatch, token_logp: torch.Tensor, entropy: torch.Tensor, version: int
-) -> LossInputs:
-    """The objective's view of one micro-batch, as ``TorchTrainEngine`` builds it; ``version`` is
-    the rank's (the weights ``token_logp`` come from)."""
-    rows = [samples[i] for i in batch.indices]
-    trained = batch.loss_mask
-    return LossInputs(
-        logprobs=token_logp,
-        behaviour_logprobs=_padded([s.behaviour_logprobs for s in rows], trained),
-        advantages=torch.tensor([[s.advantage] for s in rows], device=trained.device) * trained,
-        mask=trained,
-        prox_logprobs=_padded([s.prox_logprobs for s in rows], trained) if rows[0].prox_logprobs is not None else None,
-        ref_logprobs=_padded([s.ref_logprobs for s in rows], trained) if rows[0].ref_logprobs is not None else None,
-        entropy=entropy,
-        fresh=(batch.versions == version).to(trained.dtype) * trained,
-    )
-
-
-def accumulate_share(
-    samples: list[Trajectory],
-    forward: Forward,
-    objective: LossObjective,
-    totals: StepTotals,
-    *,
-    max_tokens: int,
-    device: torch.device,
-    version: int,
-    passes: int = 0,
-) -> tuple[dict[str, float], int]:
-    """Backward each micro-batch's loss weighted by its share of the step (``totals``); returns the
-    weighted metric sums and the number of real micro-batches. Filler passes (``passes``)
-    backward a zero: they add nothing but take part in the collectives of a lockstep engine.
-
-    An objective that raises does not cut the passes short (the other ranks would wait in a
-    collective for this one): its pass and the rest backward zeros, then the error is raised.
-    """
-    sums: dict[str, float] = {}
-    micro_batches = 0
-    failure: Exception | None = None
-    for batch in _passes(samples, max_tokens, device, passes):
-        token_logp, entropy = forward(batch if batch is not None else collate([_FILLER], [0], device))
-        if batch is None or failure is not None:
-            (token_logp.sum() * 0.0).backward()
-            continue
-        try:
-            loss, metrics = objective(loss_inputs(samples, batch, token_logp, entropy, version))
-        except Exception as exc:
-            failure = exc
-            (token_logp.sum() * 0.0).backward()
-            continue
-        weight = totals.weight(batch)
-        (loss * weight).backward()
-        micro_batches += 1
-        trained = batch.loss_mask
-        mean_entropy = float((entropy * trained).sum() / trained.sum().clamp(min=1))
-        accumulate_metrics(sums, {**metrics, "loss": float(loss.detach()), "entropy": mean_entropy}, weight)
-    if failure is not None:
-        raise failure
-    return sums, micro_batches
 
 
 def save_hf_folder(model_path: str, tensors: dict[str, torch.Tensor], folder: Path) -> None:
@@ -680,7 +575,7 @@ class LocalRanks:
 
 
 class RayRanks:
-    """Rank actors (``engines.ray_actors.TrainRankActor``), one per slot, rank ``r`` the ``r``-th.
+    """Rank actors (``engines.ray.actors.TrainRankActor``), one per slot, rank ``r`` the ``r``-th.
 
     Called from the group's worker thread only, so blocking on Ray here never blocks an event loop.
     """
@@ -915,9 +810,9 @@ class TrainerGroup(ClosesOnAThread):
         return logprobs, entropies
 
     def _train_step(self, samples: list[Trajectory], objective: LossObjective) -> dict[str, float]:
-        _check_trainable(samples)
+        check_trainable(samples)
         trained = [i for i, s in enumerate(samples) if s.num_trained > 0]
-        totals = StepTotals(objective.mean_over, sum(samples[i].num_trained for i in trained), len(trained))
+        totals = StepTotals.of([samples[i] for i in trained], objective.mean_over)
         if totals.tokens == 0:
             raise ValueError("train_step on trajectories without trained tokens")
         try:

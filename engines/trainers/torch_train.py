@@ -24,10 +24,10 @@ Invariants:
   (``weights_for_sync``) sees one whole version and knows which.
 
 Data parallelism (``world_size > 1``, CPU only): this engine's worker thread is rank 0 and
-``engines.torch_ddp`` runs ranks 1..N-1 in processes it owns; each rank's micro-batch losses
+``engines.trainers.ddp`` runs ranks 1..N-1 in processes it owns; each rank's micro-batch losses
 are weighted by their share of the whole step's (all ranks') tokens or sequences, so the
 summed gradient is the single-process one, and every rank takes the same optimizer step.
-With ``world_size == 1`` (the default) no process starts and ``engines.torch_ddp`` is never
+With ``world_size == 1`` (the default) no process starts and ``engines.trainers.ddp`` is never
 imported.
 """
 
@@ -39,46 +39,28 @@ import math
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from transformers import AutoModelForCausalLM
 
-from tandem.algorithms.batch import LossInputs
-from tandem.algorithms.metrics import accumulate_metrics
 from tandem.algorithms.objective import LossMeanOver
 from tandem.core.protocols import LossObjective
 from tandem.core.records import Trajectory
-from tandem.engines.threads import ClosesOnAThread, budgeted_executor
-from tandem.engines.torch_microbatch import MicroBatch, collate, plan_micro_batches, response_logprobs, token_payload
+from tandem.engines.shared.microbatch import MicroBatch, response_logprobs
+from tandem.engines.shared.threads import ClosesOnAThread, budgeted_executor
+from tandem.engines.trainers.loss_loop import StepTotals, accumulate, check_trainable, score
 from tandem.param_sync import unique_weights
 
 if TYPE_CHECKING:
-    from tandem.engines.torch_ddp import DataParallelRanks
+    from tandem.engines.trainers.ddp import DataParallelRanks
 
-__all__ = ["REFERENCE_STATE_FILE", "TRAINER_STATE_FILE", "StepTotals", "TorchLogProbEngine", "TorchTrainEngine"]
+__all__ = ["REFERENCE_STATE_FILE", "TRAINER_STATE_FILE", "TorchLogProbEngine", "TorchTrainEngine"]
 
 _T = TypeVar("_T")
 TRAINER_STATE_FILE = "trainer.pt"  # what the trainer's save_state writes into a checkpoint folder
 REFERENCE_STATE_FILE = "reference.pt"  # what a frozen scorer's save_state writes there
-
-
-@dataclass(frozen=True, slots=True)
-class StepTotals:
-    """The whole step's trained tokens and sequences (over every rank): the denominators of the
-    micro-batch loss weights, so the weighted sum of micro-batch losses is the step's mean. A
-    sequence counts when it has at least one trained token."""
-
-    mean_over: LossMeanOver
-    tokens: int
-    sequences: int
-
-    def weight(self, batch: MicroBatch) -> float:
-        if self.mean_over == "tokens":
-            return batch.num_tokens / self.tokens
-        return len(batch.indices) / self.sequences
 
 
 class _TorchModelEngine(ClosesOnAThread):
@@ -136,23 +118,11 @@ class _TorchModelEngine(ClosesOnAThread):
     async def _on_worker(self, fn: Callable[..., _T], *args: Any) -> _T:
         return await asyncio.wrap_future(self._executor.submit(fn, *args))
 
-    def _micro_batches(self, trajectories: Sequence[Trajectory], indices: list[int]) -> Iterator[MicroBatch]:
-        lengths = [len(token_payload(trajectories[i]).prompt_ids) + trajectories[i].num_actions for i in indices]
-        for group in plan_micro_batches(lengths, self._max_tokens):
-            yield collate(trajectories, [indices[j] for j in group], self._device)
+    def _forward(self, batch: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        return response_logprobs(self._model, batch, self._temperature)
 
     def _score(self, trajectories: Sequence[Trajectory]) -> tuple[list[list[float]], list[list[float]]]:
-        logprobs: list[list[float]] = [[] for _ in trajectories]
-        entropies: list[list[float]] = [[] for _ in trajectories]
-        scored = [i for i, t in enumerate(trajectories) if t.num_actions > 0]
-        with torch.no_grad():
-            for batch in self._micro_batches(trajectories, scored):
-                token_logp, entropy = response_logprobs(self._model, batch, self._temperature)
-                for row, i in enumerate(batch.indices):
-                    n = trajectories[i].num_actions
-                    logprobs[i] = token_logp[row, :n].tolist()
-                    entropies[i] = entropy[row, :n].tolist()
-        return logprobs, entropies
+        return score(trajectories, self._forward, max_tokens=self._max_tokens, device=self._device)
 
 
 class TorchLogProbEngine(_TorchModelEngine):
@@ -197,7 +167,7 @@ class TorchTrainEngine(_TorchModelEngine):
     """The trained policy: AdamW with linear warmup to a constant LR; implements ``TrainEngine``.
 
     ``world_size > 1`` trains data-parallel over that many ranks on CPU (gloo): this object is
-    rank 0 and owns the other ranks' processes (``engines.torch_ddp``), started here and ended
+    rank 0 and owns the other ranks' processes (``engines.trainers.ddp``), started here and ended
     by ``close()``. Only ``train_step`` and ``load_state_dict`` involve them; scoring
     (``logprobs``), weight sync and ``state_dict`` use rank 0 alone, whose weights equal every
     rank's. Each rank uses ``num_threads`` threads: budget ``world_size * num_threads`` cores.
@@ -250,7 +220,7 @@ class TorchTrainEngine(_TorchModelEngine):
         )
         self._ranks: DataParallelRanks | None = None
         if world_size > 1:
-            from tandem.engines.torch_ddp import DataParallelRanks  # only data-parallel runs pay for it
+            from tandem.engines.trainers.ddp import DataParallelRanks  # only data-parallel runs pay for it
 
             replica = {
                 "lr": lr, "dtype": dtype, "temperature": temperature, "weight_decay": weight_decay,
@@ -276,7 +246,7 @@ class TorchTrainEngine(_TorchModelEngine):
 
         With ``world_size > 1`` the trajectories are split across the ranks balanced by tokens
         and ``objective`` is pickled to them with each step; a rank that fails or dies raises
-        ``engines.torch_ddp.TrainRankError`` naming it.
+        ``engines.trainers.ddp.TrainRankError`` naming it.
         """
         mean_over = objective.mean_over
         if mean_over not in ("tokens", "sequences"):
@@ -378,19 +348,19 @@ class TorchTrainEngine(_TorchModelEngine):
     def _train_step(
         self, samples: list[Trajectory], loss_fn: LossObjective, loss_mean_over: LossMeanOver
     ) -> dict[str, float]:
-        _check_trainable(samples)
-        trained = [i for i, s in enumerate(samples) if s.num_trained > 0]
-        totals = StepTotals(loss_mean_over, sum(samples[i].num_trained for i in trained), len(trained))
+        check_trainable(samples)
+        trained = [s for s in samples if s.num_trained > 0]
+        totals = StepTotals.of(trained, loss_mean_over)
         if totals.tokens == 0:
             raise ValueError("train_step on trajectories without trained tokens")
 
         lr = self._scheduler.get_last_lr()[0]  # the step's own: the scheduler moves on after it
         if self._ranks is None:
             self._optimizer.zero_grad(set_to_none=True)
-            sums, num_micro_batches = self._accumulate(samples, trained, loss_fn, totals)
+            sums, num_micro_batches = self._accumulate(trained, loss_fn, totals)
             grad_norm = self._clip_and_step()
         else:
-            sums, num_micro_batches, grad_norm = self._ranks.train_step(samples, trained, loss_fn, totals)
+            sums, num_micro_batches, grad_norm = self._ranks.train_step(trained, loss_fn, totals)
         return {
             **sums,
             "grad_norm": grad_norm,
@@ -401,40 +371,14 @@ class TorchTrainEngine(_TorchModelEngine):
         }
 
     def _accumulate(
-        self, samples: Sequence[Trajectory], indices: list[int], loss_fn: LossObjective, totals: StepTotals
+        self, samples: Sequence[Trajectory], loss_fn: LossObjective, totals: StepTotals
     ) -> tuple[dict[str, float], int]:
-        """Add the gradients of ``samples[indices]``' weighted micro-batch losses (grads not zeroed
-        here); returns the weighted metric sums and the number of micro-batches."""
-        sums: dict[str, float] = {}
-        num_micro_batches = 0
-        for batch in self._micro_batches(samples, indices):
-            token_logp, entropy = response_logprobs(self._model, batch, self._temperature)
-            rows = [samples[i] for i in batch.indices]
-            # Uniform over the step (``_check_trainable``), so any row tells.
-            has_prox = rows[0].prox_logprobs is not None
-            has_ref = rows[0].ref_logprobs is not None
-            trained = batch.loss_mask
-            if rows[0].token_advantages is not None:  # per action (GAE), else one per trajectory
-                advantages = _padded([s.token_advantages for s in rows], trained) * trained
-            else:
-                advantages = torch.tensor([[s.advantage] for s in rows], device=self._device) * trained
-            inputs = LossInputs(
-                logprobs=token_logp,
-                behaviour_logprobs=_padded([s.behaviour_logprobs for s in rows], trained),
-                advantages=advantages,
-                mask=trained,
-                prox_logprobs=_padded([s.prox_logprobs for s in rows], trained) if has_prox else None,
-                ref_logprobs=_padded([s.ref_logprobs for s in rows], trained) if has_ref else None,
-                entropy=entropy,
-                fresh=(batch.versions == self._version).to(trained.dtype) * trained,
-            )
-            loss, metrics = loss_fn(inputs)
-            weight = totals.weight(batch)
-            (loss * weight).backward()
-            num_micro_batches += 1
-            mean_entropy = float((entropy * trained).sum() / trained.sum().clamp(min=1))
-            accumulate_metrics(sums, {**metrics, "loss": float(loss.detach()), "entropy": mean_entropy}, weight)
-        return sums, num_micro_batches
+        """Add the gradients of ``samples``' weighted micro-batch losses (the one loss loop,
+        ``engines.trainers.loss_loop``; grads not zeroed here); returns the weighted metric sums
+        and the number of micro-batches."""
+        return accumulate(
+            samples, self._forward, loss_fn, totals, max_tokens=self._max_tokens, device=self._device, version=self._version
+        )
 
     def _clip_and_step(self) -> float:
         """Clip the accumulated gradient, take the optimizer step, zero the gradient; returns the
@@ -449,31 +393,3 @@ class TorchTrainEngine(_TorchModelEngine):
         self._scheduler.step()
         self._optimizer.zero_grad(set_to_none=True)
         return grad_norm
-
-
-def _check_trainable(samples: list[Trajectory]) -> None:
-    if not samples:
-        raise ValueError("train_step on no trajectories")
-    for field in ("prox_logprobs", "ref_logprobs", "token_advantages"):
-        present = {getattr(s, field) is not None for s in samples}
-        if len(present) > 1:
-            raise ValueError(f"{field} is set on some trajectories and not on others")
-    for s in samples:
-        where = f"trajectory {s.prompt_id}/{s.index}"
-        if s.advantage is None and s.token_advantages is None:
-            raise ValueError(f"{where} has no advantage")
-        for name in ("behaviour_logprobs", "prox_logprobs", "ref_logprobs", "loss_mask", "token_advantages"):
-            values = getattr(s, name)
-            if values is not None and len(values) != s.num_actions:
-                raise ValueError(f"{where}: {len(values)} {name} for {s.num_actions} tokens")
-        if len(token_payload(s).response_ids) != s.num_actions:
-            raise ValueError(f"{where}: {len(token_payload(s).response_ids)} tokens for {s.num_actions} log-probs")
-
-
-def _padded(rows: list[list[float] | None], mask: torch.Tensor) -> torch.Tensor:
-    """Right-pad per-token values to ``mask``'s shape with zeros."""
-    out = torch.zeros(mask.shape, dtype=torch.float32)
-    for b, values in enumerate(rows):
-        assert values is not None  # _check_trainable: all present when this is called
-        out[b, : len(values)] = torch.tensor(values, dtype=torch.float32)
-    return out.to(mask.device)

@@ -3,7 +3,7 @@
 What it owns: how a list of token trajectories (``TokenPayload``: text, and multi-turn episodes
 whose environment tokens are masked out of the loss) becomes padded forward passes, and how
 each response token's log-prob and entropy are read back out of the logits. Pure functions of
-their inputs; the engines in ``engines/torch_train.py`` decide threads, grads and optimizers.
+their inputs; the engines in ``engines/trainers/torch_train.py`` decide threads, grads and optimizers.
 
 Invariants:
 - samples are sorted longest first and packed greedily so that ``rows * longest`` (the padded

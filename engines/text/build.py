@@ -3,7 +3,7 @@
 The task's items are tokenized here, as they are loaded, with the model's own tokenizer; the
 task's reward comes ready from the builder (``pipeline.builders``).
 
-Weight sync is param_sync's path (``engines.torch_sync``): the trainer's weights are gathered
+Weight sync is param_sync's path (``engines.shared.weight_sync``): the trainer's weights are gathered
 under its weights lock into a dual buffer and loaded into the rollout engine bucket by bucket
 (``config.param_sync``), so generation keeps running until the brief switch.
 
@@ -30,20 +30,21 @@ from tandem.core.paths import PACKAGE_ROOT
 from tandem.core.protocols import SamplingParams, WeightSync
 from tandem.core.records import TaskItem
 from tandem.core.task import Task
-from tandem.engines.hf_rollout import HFRolloutEngine
-from tandem.engines.text_workflow import SingleTurnWorkflow
-from tandem.engines.tokenizer import load_tokenizer
-from tandem.engines.torch_sync import TorchWeightSync
-from tandem.engines.torch_train import TorchLogProbEngine, TorchTrainEngine
-from tandem.engines.value import TorchValueEngine
+from tandem.engines.shared.tokenizer import load_tokenizer
+from tandem.engines.shared.weight_sync import TorchWeightSync
+from tandem.engines.text.rollout import HFRolloutEngine
+from tandem.engines.text.workflow import SingleTurnWorkflow
+from tandem.engines.trainers.critic import TorchValueEngine
+from tandem.engines.trainers.torch_train import TorchLogProbEngine, TorchTrainEngine
 
 if TYPE_CHECKING:
-    from tandem.engines.trainer_group import TrainerGroup
-    from tandem.engines.vllm.engine import VllmRolloutEngine
+    from tandem.engines.trainers.group import TrainerGroup
 
 __all__ = [
     "TORCH_DTYPES",
+    "RolloutPlacement",
     "build_torch_components",
+    "embedded_rollout",
     "prompt_budget",
     "reference_engine",
     "resolve_model_path",
@@ -115,11 +116,11 @@ def rollout_engine(config: TandemConfig, num_threads: int) -> HFRolloutEngine:
 
 def train_engine(config: TandemConfig, num_threads: int) -> TorchTrainEngine | TrainerGroup:
     """The trained policy a torch config describes, computing on ``num_threads`` threads per rank:
-    a group of rank processes (``engines.trainer_group``) for FSDP2 and megatron, else ``TorchTrainEngine``."""
+    a group of rank processes (``engines.trainers.group``) for FSDP2 and megatron, else ``TorchTrainEngine``."""
     spec = config.engines
     assert isinstance(spec, TorchEnginesConfig)
     if spec.trainer_group is not None:
-        from tandem.engines.trainer_group import RankSpec, TrainerGroup  # only group runs pay for it
+        from tandem.engines.trainers.group import RankSpec, TrainerGroup  # only group runs pay for it
 
         ranks = RankSpec.from_config(config, str(resolve_model_path(spec.model_path)), num_threads)
         return TrainerGroup.local(ranks, spec.train_world_size)
@@ -144,7 +145,7 @@ def reference_engine(config: TandemConfig, num_threads: int) -> TorchLogProbEngi
 
 def value_engine(config: TandemConfig, num_threads: int) -> TorchValueEngine:
     """The critic a torch config with a critic stage describes: the task's checkpoint's decoder
-    with a scalar head (``engines.value``), trained at ``engines.critic_lr`` (default ``lr``)."""
+    with a scalar head (``engines.trainers.critic``), trained at ``engines.critic_lr`` (default ``lr``)."""
     spec = config.engines
     assert isinstance(spec, TorchEnginesConfig)
     return TorchValueEngine(
@@ -196,39 +197,44 @@ def save_checkpoint(engine: TorchTrainEngine | TrainerGroup, tokenizer: Any, fol
     tokenizer.save_pretrained(folder)
 
 
-def build_torch_components(config: TandemConfig, setup: TaskSetup) -> Components:
-    """The embedded bundle of the text workload, for a config whose ``engines.type`` is ``torch``."""
+# Where generation runs, given the trainer and the generation thread budget: the rollout engine
+# in this process and the weight sync that feeds it (``embedded_rollout`` here,
+# ``engines.vllm.build.vllm_rollout`` for vLLM). ``engines.build`` picks one per config.
+RolloutPlacement = Callable[[TandemConfig, Any, int], tuple[Any, WeightSync]]
+
+
+def embedded_rollout(
+    config: TandemConfig, trainer: TorchTrainEngine | TrainerGroup, threads: int
+) -> tuple[HFRolloutEngine, WeightSync]:
+    """The embedded engine, fed from the trainer's dual buffer in this process."""
+    rollout = rollout_engine(config, threads)
+    ps = config.param_sync
+    try:
+        return rollout, TorchWeightSync.in_process(
+            trainer, rollout, produce_bucket_mb=ps.produce_bucket_mb, consume_bucket_mb=ps.consume_bucket_mb
+        )
+    except BaseException:
+        rollout.close()
+        raise
+
+
+def build_torch_components(
+    config: TandemConfig, setup: TaskSetup, place_rollout: RolloutPlacement = embedded_rollout
+) -> Components:
+    """The text workload's bundle with generation in this process (``place_rollout``) and the
+    trainer, reference and critic as ``engines.train`` says; ``engines.build`` calls it."""
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # per-load bars would interleave with the run's own display
     spec = config.engines
     assert isinstance(spec, TorchEnginesConfig)
-    if spec.rollout == "vllm_server":
-        from tandem.engines.vllm.components import build_vllm_server_components
-
-        return build_vllm_server_components(config, setup)
-    if spec.rollout not in ("embedded", "vllm"):  # generation in server processes: the same bundle around a router
-        from tandem.engines.server.components import build_server_components
-
-        return build_server_components(config, setup)
     gen_threads, train_threads = thread_budgets(config)
     tokenizer = load_tokenizer(str(resolve_model_path(spec.model_path)))
     max_prompt_tokens = prompt_budget(config, tokenizer)  # before any engine starts: bad input fails fast
     engine = train_engine(config, train_threads)
     reference = reference_engine(config, train_threads) if "ref_logp" in config.flow.stages else None
     critic = value_engine(config, train_threads) if "critic" in config.flow.stages else None
-    ps = config.param_sync
-    rollout: HFRolloutEngine | VllmRolloutEngine
-    weight_sync: WeightSync
-    if spec.rollout == "vllm":
-        from tandem.engines.vllm.components import vllm_rollout
-
-        rollout, weight_sync = vllm_rollout(config, engine, gen_threads)
-    else:
-        rollout = rollout_engine(config, gen_threads)
-        weight_sync = TorchWeightSync.in_process(
-            engine, rollout, produce_bucket_mb=ps.produce_bucket_mb, consume_bucket_mb=ps.consume_bucket_mb
-        )
+    rollout, weight_sync = place_rollout(config, engine, gen_threads)
 
     async def checkpoint(folder: Path) -> None:
         await asyncio.to_thread(save_checkpoint, engine, tokenizer, folder)

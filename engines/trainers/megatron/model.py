@@ -1,11 +1,11 @@
-"""Per-token response log-probs from a megatron-core ``GPTModel``, the quantity ``engines.torch_microbatch`` computes.
+"""Per-token response log-probs from a megatron-core ``GPTModel``, the quantity ``engines.shared.microbatch`` computes.
 
 What it owns: one forward of a (tensor-parallel) ``GPTModel`` over a right-padded batch of
-prompt + response rows (:class:`ResponseBatch`: ``engines.torch_microbatch.MicroBatch`` is one),
+prompt + response rows (:class:`ResponseBatch`: ``engines.shared.microbatch.MicroBatch`` is one),
 and the log-prob and entropy of each response token read from its vocabulary-parallel logits.
 
 Invariants:
-- the result is ``engines.torch_microbatch.response_logprobs``'s: ``log_softmax(logits.float() /
+- the result is ``engines.shared.microbatch.response_logprobs``'s: ``log_softmax(logits.float() /
   temperature)`` at the position that predicted each response token, float32, ``[rows, R]``,
   aligned with ``batch.response_ids`` and zero past each row's response; the entropy is detached;
 - rows are right-padded: positions are ``0..length-1`` in every row, and the attention mask hides
@@ -33,7 +33,7 @@ __all__ = ["ResponseBatch", "attention_mask", "response_logprobs"]
 
 
 class ResponseBatch(Protocol):
-    """Right-padded rows, as ``engines.torch_microbatch.collate`` builds them.
+    """Right-padded rows, as ``engines.shared.microbatch.collate`` builds them.
 
     ``input_ids``/``attention_mask`` [rows, length] (mask 1 on real tokens); ``gather_index``
     [rows, R] the position predicting each response token, counted from position

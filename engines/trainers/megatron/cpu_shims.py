@@ -17,7 +17,7 @@ call logged:
    ``torch.cuda.current_device()`` on first use. Replaced by a copy that leaves them where they are.
 
 A fourth assumption is avoided rather than shimmed: given no attention mask, the local softmax builds
-its causal mask on ``"cuda"``; ``engines.megatron.model`` always passes one.
+its causal mask on ``"cuda"``; ``engines.trainers.megatron.model`` always passes one.
 
 Not covered (they need CUDA, and nothing on the CPU path calls them): activation recomputation (it
 saves and restores CUDA RNG states directly), megatron's DDP wrapper and distributed optimizer, and
@@ -27,7 +27,7 @@ Invariants:
 - the shims are process-global (as megatron's parallel state is) and exist only inside
   :func:`cpu_shims`; leaving it restores exactly the objects it replaced;
 - entering :func:`cpu_shims` while it is already active changes nothing (idempotent);
-- callers apply them only when the model runs on CPU (``engines.megatron.parallel`` decides).
+- callers apply them only when the model runs on CPU (``engines.trainers.megatron.parallel`` decides).
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """A megatron-core train rank: a Llama/Qwen2 ``GPTModel`` converted from the HF checkpoint, one rank of a trainer group.
 
-What it owns: one rank of an ``engines.trainer_group`` group (``engines.train: megatron``): its
-place in megatron's parallel state (``engines.megatron.parallel.model_parallel``: tensor
+What it owns: one rank of an ``engines.trainers.group`` group (``engines.train: megatron``): its
+place in megatron's parallel state (``engines.trainers.megatron.parallel.model_parallel``: tensor
 parallel ``T`` from the spec, data parallel ``N / T``, pipeline parallel 1), its tensor-parallel
-shard of the ``GPTModel`` (weights from the HF checkpoint, ``engines.megatron.convert``), and its
+shard of the ``GPTModel`` (weights from the HF checkpoint, ``engines.trainers.megatron.convert``), and its
 optimizer, AdamW with the linear warm-up of ``TorchTrainEngine``, in one of two forms:
 
 - **CUDA**: megatron's own: ``DistributedDataParallel`` (gradients in contiguous buffers,
@@ -11,7 +11,7 @@ optimizer, AdamW with the linear warm-up of ``TorchTrainEngine``, in one of two 
   rank keeps the fp32 main weights and Adam moments of its ``1/N`` of the buffer);
 - **CPU**: megatron's DDP wrapper and distributed optimizer allocate their buffers on CUDA, so here
   a torch AdamW steps this rank's tensor-parallel shards, after one flat all-reduce of the
-  gradients over the data-parallel group (``engines.torch_ddp.all_reduce_gradients``). Every
+  gradients over the data-parallel group (``engines.trainers.ddp.all_reduce_gradients``). Every
   data-parallel replica then holds the same weights and moments: the arithmetic is the
   distributed optimizer's, its memory saving is not.
 
@@ -44,13 +44,13 @@ from transformers import AutoModelForCausalLM
 
 from tandem.core.protocols import LossObjective
 from tandem.core.records import Trajectory
-from tandem.engines.megatron.convert import build_gpt_model, gather_hf_tensors, hf_to_megatron, load_hf_weights
-from tandem.engines.megatron.model import response_logprobs
-from tandem.engines.megatron.parallel import model_parallel
-from tandem.engines.torch_ddp import all_reduce_gradients
-from tandem.engines.torch_microbatch import MicroBatch
-from tandem.engines.torch_train import StepTotals
-from tandem.engines.trainer_group import RankSpec, accumulate_share, score_share
+from tandem.engines.shared.microbatch import MicroBatch
+from tandem.engines.trainers.ddp import all_reduce_gradients
+from tandem.engines.trainers.group import RankSpec
+from tandem.engines.trainers.loss_loop import StepTotals, accumulate, score
+from tandem.engines.trainers.megatron.convert import build_gpt_model, gather_hf_tensors, hf_to_megatron, load_hf_weights
+from tandem.engines.trainers.megatron.model import response_logprobs
+from tandem.engines.trainers.megatron.parallel import model_parallel
 
 __all__ = ["MegatronRank"]
 
@@ -58,7 +58,7 @@ _MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 class MegatronRank:
-    """One megatron-core rank (a ``engines.trainer_group.RankEngine``)."""
+    """One megatron-core rank (a ``engines.trainers.group.RankEngine``)."""
 
     state_file = "trainer_megatron.pt"
 
@@ -91,12 +91,12 @@ class MegatronRank:
 
     def score(self, samples: list[Trajectory], passes: int) -> tuple[list[list[float]], list[list[float]]]:
         # No collective spans ranks of different replicas in a forward: no filler passes.
-        return score_share(samples, self._forward, max_tokens=self._spec.max_tokens_per_micro_batch, device=self._device)
+        return score(samples, self._forward, max_tokens=self._spec.max_tokens_per_micro_batch, device=self._device)
 
     def accumulate(
         self, samples: list[Trajectory], objective: LossObjective, totals: StepTotals, passes: int
     ) -> tuple[dict[str, float], int]:
-        return accumulate_share(
+        return accumulate(
             samples, self._forward, objective, totals, max_tokens=self._spec.max_tokens_per_micro_batch,
             device=self._device, version=self.version,
         )

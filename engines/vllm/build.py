@@ -19,7 +19,8 @@ from tandem.core.components import Components, TaskSetup
 from tandem.core.config import TandemConfig, TorchEnginesConfig
 from tandem.core.protocols import SyncReport
 from tandem.engines.server.router import ServerRolloutEngine
-from tandem.engines.torch_sync import TorchWeightSync, TrainerSyncSource
+from tandem.engines.shared.weight_sync import SyncedTrainer, TorchWeightSync, TrainerSyncSource
+from tandem.engines.text.build import TORCH_DTYPES, resolve_model_path
 from tandem.engines.vllm.engine import VllmRolloutEngine, VllmSettings, eos_token_ids
 from tandem.engines.vllm.server import VllmHttpEndpoint, VllmServerClient, vllm_command, vllm_server_env
 from tandem.engines.vllm.sync import VllmShmTransport, WeightProbe
@@ -51,10 +52,9 @@ class VllmWeightSync:
         self._inner.close()
 
 
-def vllm_rollout(config: TandemConfig, trainer: object, threads: int) -> tuple[VllmRolloutEngine, VllmWeightSync]:
-    """vLLM serving ``engines.model_path`` on ``threads`` cores, and the weight sync into it from ``trainer``."""
-    from tandem.engines.torch_components import TORCH_DTYPES, resolve_model_path
-
+def vllm_rollout(config: TandemConfig, trainer: SyncedTrainer, threads: int) -> tuple[VllmRolloutEngine, VllmWeightSync]:
+    """vLLM serving ``engines.model_path`` on ``threads`` cores, and the weight sync into it from
+    ``trainer`` (a ``text.build.RolloutPlacement``)."""
     spec = config.engines
     assert isinstance(spec, TorchEnginesConfig)
     model_path = resolve_model_path(spec.model_path)
@@ -65,7 +65,7 @@ def vllm_rollout(config: TandemConfig, trainer: object, threads: int) -> tuple[V
     )  # fmt: skip
     try:
         probe = WeightProbe(model_path, max_gap=spec.vllm.max_gap(spec.dtype), dtype=TORCH_DTYPES[spec.dtype])
-        source = TrainerSyncSource(trainer)  # type: ignore[arg-type]
+        source = TrainerSyncSource(trainer)
         transport = VllmShmTransport(lambda: [engine], probe)
         syncer = ParamSyncer(source, transport, produce_bucket_mb=config.param_sync.produce_bucket_mb)
         return engine, VllmWeightSync(TorchWeightSync(source, syncer), probe)
@@ -79,8 +79,7 @@ def build_vllm_server_components(config: TandemConfig, setup: TaskSetup) -> Comp
     vllm_server``): the server bundle, with vLLM's command, client and shared-memory weight sync."""
     from transformers import AutoConfig
 
-    from tandem.engines.server.components import ServerKind, build_server_components
-    from tandem.engines.torch_components import TORCH_DTYPES, resolve_model_path
+    from tandem.engines.server.build import ServerKind, build_server_components
 
     spec = config.engines
     assert isinstance(spec, TorchEnginesConfig)
