@@ -536,8 +536,8 @@ class TorchEnginesConfig(_Model):
     ``GPTModel`` converted from the HF checkpoint, Llama/Qwen2 only, needs the ``megatron`` extra;
     its ranks are ``tensor_parallel_size`` x data parallel, each a process of its own)."""
     data_parallel: Literal["ddp", "fsdp2"] = "ddp"
-    """``train: torch`` with several ranks: ``ddp`` (rank 0 in this process, full replicas in spawned
-    processes, one flat gradient all-reduce; CPU, local only) or ``fsdp2`` (torch FSDP2
+    """``train: torch`` with several ranks: ``ddp`` (a full replica per rank, one flat gradient
+    all-reduce; checkpoints interchangeable with one process's) or ``fsdp2`` (torch FSDP2
     ``fully_shard``: every rank a process of its own, or a Ray actor, holding 1/N of the weights,
     gradients and optimizer state; also with one rank)."""
     tensor_parallel_size: int = Field(1, ge=1)
@@ -571,11 +571,13 @@ class TorchEnginesConfig(_Model):
 
     @property
     def trainer_group(self) -> str | None:
-        """The rank engine of ``engines.trainers.group`` this config trains with, or None
-        (``TorchTrainEngine``, with ``engines.trainers.ddp`` ranks when ``train_world_size > 1``)."""
+        """The rank engine of ``engines.trainers.group`` this config trains with, or None for one
+        process's ``TorchTrainEngine`` (plain torch on one rank)."""
         if self.train == "megatron":
             return "megatron"
-        return "fsdp2" if self.data_parallel == "fsdp2" else None
+        if self.data_parallel == "fsdp2":
+            return "fsdp2"
+        return "ddp" if self.train_world_size > 1 else None
 
 
 EnginesConfig = Annotated[FakeEnginesConfig | TorchEnginesConfig, Field(discriminator="type")]
@@ -1009,11 +1011,6 @@ class TandemConfig(_Model):
             return
         if self.engines.type != "torch":
             raise ValueError("cluster.backend=ray runs the torch engines as actors: needs engines.type=torch")
-        if self.engines.trainer_group is None and self.engines.train_world_size != 1:
-            raise ValueError(
-                "cluster.backend=ray: engines.train_world_size > 1 needs a trainer group of rank actors "
-                "(engines.data_parallel=fsdp2 or engines.train=megatron); ddp's trainer is one actor"
-            )
         if self.engines.trainer_group is not None and cluster.weight_transport == "dist":
             raise ValueError(
                 "cluster.weight_transport=dist: a trainer group's ranks hold torch.distributed's default "

@@ -116,7 +116,7 @@ def rollout_engine(config: TandemConfig, num_threads: int) -> HFRolloutEngine:
 
 def train_engine(config: TandemConfig, num_threads: int) -> TorchTrainEngine | TrainerGroup:
     """The trained policy a torch config describes, computing on ``num_threads`` threads per rank:
-    a group of rank processes (``engines.trainers.group``) for FSDP2 and megatron, else ``TorchTrainEngine``."""
+    a group of rank processes (``engines.trainers.group``) for several ranks, FSDP2 or megatron, else ``TorchTrainEngine``."""
     spec = config.engines
     assert isinstance(spec, TorchEnginesConfig)
     if spec.trainer_group is not None:
@@ -128,7 +128,7 @@ def train_engine(config: TandemConfig, num_threads: int) -> TorchTrainEngine | T
         str(resolve_model_path(spec.model_path)), lr=spec.lr, device=spec.device, dtype=TORCH_DTYPES[spec.dtype],
         temperature=config.rollout.temperature, weight_decay=spec.weight_decay, warmup_steps=spec.warmup_steps,
         max_grad_norm=spec.max_grad_norm, max_tokens_per_micro_batch=spec.max_tokens_per_micro_batch,
-        num_threads=num_threads, world_size=spec.train_world_size,
+        num_threads=num_threads,
     )
 
 

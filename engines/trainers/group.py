@@ -12,7 +12,7 @@ NCCL on GPU).
 
 A step, as the driver runs it:
 1. the trained trajectories are split across the data-parallel replicas balanced by tokens
-   (``engines.trainers.ddp.balance``); the tensor-parallel ranks of one replica get the same share;
+   (:func:`balance`); the tensor-parallel ranks of one replica get the same share;
    every rank is told ``passes``, the most micro-batches any rank has, so an engine whose
    forward is a collective (FSDP2 all-gathers weights in it) runs equally many on every rank;
 2. every rank accumulates its share's gradient, each micro-batch loss weighted by its share of
@@ -70,7 +70,6 @@ from tandem.core.protocols import LossObjective
 from tandem.core.records import Trajectory
 from tandem.engines.shared.microbatch import token_payload
 from tandem.engines.shared.threads import ClosesOnAThread, apply_thread_budget
-from tandem.engines.trainers.ddp import TrainRankError, balance
 from tandem.engines.trainers.loss_loop import StepTotals, check_trainable, micro_batch_plan
 
 __all__ = [
@@ -83,6 +82,7 @@ __all__ = [
     "Staging",
     "TrainRankError",
     "TrainerGroup",
+    "balance",
     "free_address",
     "rank_device",
     "save_hf_folder",
@@ -92,6 +92,7 @@ __all__ = [
 _T = TypeVar("_T")
 # The rank engines by the config's name for them ("module:Class", imported in the rank only).
 RANK_ENGINES = {
+    "ddp": "tandem.engines.trainers.ddp:DDPRank",
     "fsdp2": "tandem.engines.trainers.fsdp:FSDPRank",
     "megatron": "tandem.engines.trainers.megatron.engine:MegatronRank",
 }
@@ -102,6 +103,26 @@ _BROKEN_EXIT_TIMEOUT_S = 1.0
 _ALIGN = 64  # byte alignment of each tensor in the staging buffer
 # How long Ray rank actors may take to be placed, load the model and join the group.
 _RAY_START_TIMEOUT_S = 600.0
+
+
+class TrainRankError(RuntimeError):
+    """A train rank of a group failed or died; ``rank`` names it."""
+
+    def __init__(self, rank: int, detail: str) -> None:
+        super().__init__(f"train rank {rank} {detail}")
+        self.rank = rank
+
+
+def balance(costs: list[int], parts: int) -> list[list[int]]:
+    """Split indices of ``costs`` into ``parts`` lists of near-equal total cost (longest first, each
+    to the least loaded part, ties to the lowest part): a step waits for its slowest rank."""
+    loads = [0] * parts
+    shares: list[list[int]] = [[] for _ in range(parts)]
+    for i in sorted(range(len(costs)), key=lambda i: -costs[i]):
+        part = min(range(parts), key=loads.__getitem__)
+        shares[part].append(i)
+        loads[part] += costs[i]
+    return shares
 
 
 @dataclass(frozen=True, slots=True)

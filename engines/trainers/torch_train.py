@@ -23,12 +23,9 @@ Invariants:
   (the optimizer step, a checkpoint restore), so a reader holding that lock
   (``weights_for_sync``) sees one whole version and knows which.
 
-Data parallelism (``world_size > 1``, CPU only): this engine's worker thread is rank 0 and
-``engines.trainers.ddp`` runs ranks 1..N-1 in processes it owns; each rank's micro-batch losses
-are weighted by their share of the whole step's (all ranks') tokens or sequences, so the
-summed gradient is the single-process one, and every rank takes the same optimizer step.
-With ``world_size == 1`` (the default) no process starts and ``engines.trainers.ddp`` is never
-imported.
+One process, one rank: data parallelism over several ranks is a trainer group of
+``engines.trainers.ddp`` ranks (``engines.trainers.group``), which runs the same loss loop
+(``engines.trainers.loss_loop``) and reads and writes this engine's checkpoints.
 """
 
 from __future__ import annotations
@@ -40,7 +37,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import torch
 from transformers import AutoModelForCausalLM
@@ -52,9 +49,6 @@ from tandem.engines.shared.microbatch import MicroBatch, response_logprobs
 from tandem.engines.shared.threads import ClosesOnAThread, budgeted_executor
 from tandem.engines.trainers.loss_loop import StepTotals, accumulate, check_trainable, score
 from tandem.param_sync import unique_weights
-
-if TYPE_CHECKING:
-    from tandem.engines.trainers.ddp import DataParallelRanks
 
 __all__ = ["REFERENCE_STATE_FILE", "TRAINER_STATE_FILE", "TorchLogProbEngine", "TorchTrainEngine"]
 
@@ -164,14 +158,7 @@ class TorchLogProbEngine(_TorchModelEngine):
 
 
 class TorchTrainEngine(_TorchModelEngine):
-    """The trained policy: AdamW with linear warmup to a constant LR; implements ``TrainEngine``.
-
-    ``world_size > 1`` trains data-parallel over that many ranks on CPU (gloo): this object is
-    rank 0 and owns the other ranks' processes (``engines.trainers.ddp``), started here and ended
-    by ``close()``. Only ``train_step`` and ``load_state_dict`` involve them; scoring
-    (``logprobs``), weight sync and ``state_dict`` use rank 0 alone, whose weights equal every
-    rank's. Each rank uses ``num_threads`` threads: budget ``world_size * num_threads`` cores.
-    """
+    """The trained policy: AdamW with linear warmup to a constant LR; implements ``TrainEngine``."""
 
     def __init__(
         self,
@@ -187,15 +174,7 @@ class TorchTrainEngine(_TorchModelEngine):
         max_tokens_per_micro_batch: int = 4096,
         num_threads: int = 1,
         start_version: int = 0,
-        world_size: int = 1,
     ) -> None:
-        if world_size < 1:
-            raise ValueError(f"world_size must be >= 1, got {world_size}")
-        if world_size > 1 and torch.device(device).type != "cpu":
-            # NCCL ranks need a device each and a multi-GPU machine to be tested on: not done yet.
-            raise NotImplementedError(
-                f"data-parallel training (world_size={world_size}) runs on CPU only, not on {device}"
-            )
         super().__init__(
             model_path,
             device=device,
@@ -218,20 +197,6 @@ class TorchTrainEngine(_TorchModelEngine):
         self._scheduler = torch.optim.lr_scheduler.LambdaLR(
             self._optimizer, lambda step: 1.0 if warmup_steps == 0 else min(1.0, (step + 1) / warmup_steps)
         )
-        self._ranks: DataParallelRanks | None = None
-        if world_size > 1:
-            from tandem.engines.trainers.ddp import DataParallelRanks  # only data-parallel runs pay for it
-
-            replica = {
-                "lr": lr, "dtype": dtype, "temperature": temperature, "weight_decay": weight_decay,
-                "warmup_steps": warmup_steps, "max_grad_norm": max_grad_norm,
-                "max_tokens_per_micro_batch": max_tokens_per_micro_batch, "num_threads": num_threads,
-            }  # fmt: skip
-            try:
-                self._ranks = DataParallelRanks(self, model_path, replica, world_size)
-            except BaseException:
-                self._executor.shutdown(wait=False)
-                raise
 
     async def train_step(self, batch: Sequence[Trajectory], objective: LossObjective) -> dict[str, float]:
         """One optimizer step on every trajectory of ``batch``; returns its metrics.
@@ -243,10 +208,6 @@ class TorchTrainEngine(_TorchModelEngine):
         left out. Every trajectory must carry its ``advantage``, or per-action
         ``token_advantages`` (GAE), which then take its place; ``prox_logprobs``, ``ref_logprobs``
         and ``token_advantages`` are used when every trajectory has them, and refused when only some do.
-
-        With ``world_size > 1`` the trajectories are split across the ranks balanced by tokens
-        and ``objective`` is pickled to them with each step; a rank that fails or dies raises
-        ``engines.trainers.ddp.TrainRankError`` naming it.
         """
         mean_over = objective.mean_over
         if mean_over not in ("tokens", "sequences"):
@@ -276,16 +237,12 @@ class TorchTrainEngine(_TorchModelEngine):
         """A deep copy of model, optimizer, schedule and version, taken after queued work finishes.
 
         Blocks the caller until then; from an event loop, call it through ``asyncio.to_thread``.
-        Data-parallel: rank 0's, which every rank equals; the same format as one process's.
         """
         return self._executor.submit(self._snapshot).result()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what ``state_dict`` returned (after queued work finishes; blocks like it).
-
-        Data-parallel: every rank is restored before this returns.
-        """
-        self._executor.submit(self._restore_all, state).result()
+        """Restore what ``state_dict`` returned (after queued work finishes; blocks like it)."""
+        self._executor.submit(self._restore, state).result()
 
     async def save_state(self, folder: Path) -> None:
         """Write ``trainer.pt`` into ``folder``: model, optimizer, schedule, version and torch's
@@ -293,14 +250,8 @@ class TorchTrainEngine(_TorchModelEngine):
         await self._on_worker(self._save, Path(folder) / TRAINER_STATE_FILE)
 
     async def load_state(self, folder: Path) -> None:
-        """Restore what :meth:`save_state` wrote (every data-parallel rank too)."""
+        """Restore what :meth:`save_state` wrote."""
         await self._on_worker(self._load, Path(folder) / TRAINER_STATE_FILE)
-
-    def close(self) -> None:
-        """Finish queued work, stop the worker thread, then stop the other ranks' processes."""
-        super().close()
-        if self._ranks is not None:
-            self._ranks.close()
 
     # ------------------------------------------------------------------ worker thread only
 
@@ -328,7 +279,7 @@ class TorchTrainEngine(_TorchModelEngine):
         # CPU first: the RNG state must stay there; the weights and moments are copied to the
         # device by load_state_dict.
         state = torch.load(path, map_location="cpu", weights_only=True)
-        self._restore_all(state)
+        self._restore(state)
         torch.set_rng_state(state["rng"])
 
     def _restore(self, state: dict[str, Any]) -> None:
@@ -340,11 +291,6 @@ class TorchTrainEngine(_TorchModelEngine):
             self._scheduler.load_state_dict(state["scheduler"])
             self._version = state["version"]
 
-    def _restore_all(self, state: dict[str, Any]) -> None:
-        self._restore(state)
-        if self._ranks is not None:
-            self._ranks.restore(state)
-
     def _train_step(
         self, samples: list[Trajectory], loss_fn: LossObjective, loss_mean_over: LossMeanOver
     ) -> dict[str, float]:
@@ -355,12 +301,9 @@ class TorchTrainEngine(_TorchModelEngine):
             raise ValueError("train_step on trajectories without trained tokens")
 
         lr = self._scheduler.get_last_lr()[0]  # the step's own: the scheduler moves on after it
-        if self._ranks is None:
-            self._optimizer.zero_grad(set_to_none=True)
-            sums, num_micro_batches = self._accumulate(trained, loss_fn, totals)
-            grad_norm = self._clip_and_step()
-        else:
-            sums, num_micro_batches, grad_norm = self._ranks.train_step(trained, loss_fn, totals)
+        self._optimizer.zero_grad(set_to_none=True)
+        sums, num_micro_batches = self._accumulate(trained, loss_fn, totals)
+        grad_norm = self._clip_and_step()
         return {
             **sums,
             "grad_norm": grad_norm,

@@ -1,6 +1,6 @@
 """An FSDP2 trainer group (``engines.trainers.fsdp`` ranks in spawned processes) trains as one process does, and fails by name.
 
-The equality tests run in float64 with one sample per micro-batch, as ``test_torch_ddp.py``'s:
+The equality tests run in float64 with one sample per micro-batch, as ``test_ddp.py``'s:
 every rank then computes the same per-sample gradients bit for bit and only the order of
 summing them differs, so a weighting, padding or reduction error shows far above the noise.
 Ranks are processes of their own (gloo, one thread each); a group takes seconds to start, so

@@ -2,7 +2,7 @@
 
 Every trainer (plain torch and its DDP ranks, FSDP2 and megatron-core ranks) runs these passes;
 their equality with one process is in ``test_fsdp.py``, ``test_megatron_engine.py`` and
-``test_torch_ddp.py``.
+``test_ddp.py``.
 """
 
 from __future__ import annotations

@@ -46,7 +46,7 @@ def test_a_parallel_layout_that_cannot_be_built_is_refused_naming_the_field(engi
 
 def test_the_config_names_the_rank_engine_of_a_group() -> None:
     assert validate_config(config()).engines.trainer_group is None  # TorchTrainEngine
-    assert validate_config(config(train_world_size=2)).engines.trainer_group is None  # its ddp ranks
+    assert validate_config(config(train_world_size=2)).engines.trainer_group == "ddp"  # plain torch on several ranks
     assert validate_config(config(data_parallel="fsdp2")).engines.trainer_group == "fsdp2"
     megatron = validate_config(config(train="megatron", train_world_size=4, tensor_parallel_size=2))
     assert megatron.engines.trainer_group == "megatron"
@@ -56,11 +56,10 @@ def test_the_config_names_the_rank_engine_of_a_group() -> None:
     assert (spec.lr, spec.temperature, spec.seed) == (megatron.engines.lr, megatron.rollout.temperature, megatron.run.seed)
 
 
-def test_on_ray_several_train_ranks_need_a_group_and_the_object_store() -> None:
+def test_on_ray_every_group_of_train_ranks_runs_as_rank_actors_over_the_object_store() -> None:
     ray = {"cluster": {"backend": "ray"}}
-    with pytest.raises(ConfigError, match="train_world_size > 1 needs a trainer group"):
-        validate_config({**config(train_world_size=2), **ray})
-    validate_config({**config(train_world_size=2, data_parallel="fsdp2"), **ray})
+    for engines in ({"train_world_size": 2}, {"train_world_size": 2, "data_parallel": "fsdp2"}):
+        assert validate_config({**config(**engines), **ray}).engines.trainer_group is not None
     with pytest.raises(ConfigError, match="weight_transport=dist: a trainer group"):
         validate_config({**config(train="megatron"), "cluster": {"backend": "ray", "weight_transport": "dist"}})
 
