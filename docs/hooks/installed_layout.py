@@ -3,8 +3,9 @@
 The repository keeps ``tandem``'s parts in folders beside ``tandem/`` (``core/``, ``pipeline/``,
 ...; ``pyproject.toml`` maps each to ``tandem.<part>``), but griffe, which mkdocstrings reads the
 source with, finds a package's modules by walking its folder. Before the build this hook makes
-``build/docs-layout/tandem/`` from symlinks, following ``pyproject.toml``'s ``package-dir`` (the one
-source of the mapping), and ``mkdocs.yml`` points mkdocstrings there.
+``build/docs-layout/tandem/`` (its own modules copied, each part a symlink), following
+``pyproject.toml``'s ``package-dir`` (the one source of the mapping), and ``mkdocs.yml`` points
+mkdocstrings there.
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ def lay_out(repo: Path, layout: Path) -> None:
     for package, folder in package_dir.items():
         if package == "tandem":
             for entry in (repo / folder).iterdir():
-                if entry.suffix == ".py":
-                    os.symlink(entry, layout / "tandem" / entry.name)
+                if entry.suffix == ".py":  # copied: griffe resolves a linked file to its real folder
+                    shutil.copy(entry, layout / "tandem" / entry.name)
         else:
             os.symlink(repo / folder, layout / Path(*package.split(".")), target_is_directory=True)
 
