@@ -21,6 +21,8 @@ from unittest import SkipTest
 
 import pytest
 import structlog
+
+pytest.importorskip("sybil", reason="the docs extra is not installed")
 from sybil import Document, Example
 from sybil.parsers.markdown import CodeBlockParser, PythonCodeBlockParser, SkipParser
 
