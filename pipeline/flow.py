@@ -14,6 +14,10 @@ flight are saved to be generated again and recorded in this run's ledger as canc
 shutdown. With ``run.resume`` the flow starts from a checkpoint: its version (clock and gate
 start there, so admission resumes within the bound), its data position, its ledger and the
 weight syncs' record (a run saved while degraded resumes degraded).
+
+One writer per run folder (``pipeline.run_lock``): the flow locks the folder before it builds
+anything and lets go after the report is written; a second run into a live run's folder is
+refused with a :class:`~pipeline.run_lock.RunFolderBusy` naming the holder's pid.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from tandem.pipeline.builders import build_components
 from tandem.pipeline.graph import StageGraph
 from tandem.pipeline.metrics import FlowMetrics
 from tandem.pipeline.report import plot_run
+from tandem.pipeline.run_lock import RunFolderLock
 from tandem.pipeline.tracking import Tracker, open_trackers
 from tandem.state_machines.base import FlowServices, StageError, StateMachine
 
@@ -112,6 +117,7 @@ class _Run:
     trackers: list[Tracker] = field(default_factory=list)
     metrics: FlowMetrics | None = None
     port: int | None = None
+    lock: RunFolderLock | None = None  # held from _open until the report is written
 
 
 class AsyncTrainingFlow:
@@ -142,20 +148,24 @@ class AsyncTrainingFlow:
         cancelled = False
         collector = _tune_collector()
         try:
-            built = graph.build(run.services)
-            self.machines, self.channels = built.machines, built.channels
-            self._observe(run)
-            log.info("flow started", stages=graph.chain, k=self.config.staleness.k,
-                     max_steps=self.config.run.max_steps, metrics_port=run.port)
-            await self._supervise(run, graph.finishing_role)
-            await self._save_final(run)
-        except asyncio.CancelledError:
-            cancelled = True
-            await self._stop(run)
+            try:
+                built = graph.build(run.services)
+                self.machines, self.channels = built.machines, built.channels
+                self._observe(run)
+                log.info("flow started", stages=graph.chain, k=self.config.staleness.k,
+                         max_steps=self.config.run.max_steps, metrics_port=run.port)
+                await self._supervise(run, graph.finishing_role)
+                await self._save_final(run)
+            except asyncio.CancelledError:
+                cancelled = True
+                await self._stop(run)
+            finally:
+                _restore_collector(collector)
+                await self._close(run)
+            result = self._report(run)
         finally:
-            _restore_collector(collector)
-            await self._close(run)
-        result = self._report(run)
+            if run.lock is not None:
+                run.lock.release()
         if cancelled:
             raise asyncio.CancelledError
         log.info("flow finished", steps=result.total_steps, wall_s=round(result.wall_s, 3), **result.ledger)
@@ -164,13 +174,17 @@ class AsyncTrainingFlow:
     # ------------------------------------------------------------------ start
 
     async def _open(self) -> _Run:
-        """Build (or take) the components, make the run folder, resume if asked, and set up the
-        shared objects: clock and gate at the resumed version, ledger, history, trace."""
+        """Make and lock the run folder, build (or take) the components, resume if asked, and set
+        up the shared objects: clock and gate at the resumed version, ledger, history, trace.
+
+        The folder is locked first, so a refused run loads no model."""
         cfg = self.config
-        components = self._given_components or build_components(cfg)
+        run_dir = self._make_run_dir()
+        lock = RunFolderLock.acquire(run_dir) if run_dir is not None else None
+        components: Components | None = None
         try:
+            components = self._given_components or build_components(cfg)
             loop = asyncio.get_running_loop()
-            run_dir = self._make_run_dir()
             checkpoints = None
             if run_dir is not None:
                 checkpoints = Checkpointer(cfg, run_dir, components.trainer, reference=components.reference)
@@ -196,10 +210,12 @@ class AsyncTrainingFlow:
                 history=history, checkpoints=checkpoints, resumed=resumed,
             )
         except BaseException:
-            if self._given_components is None:
+            if components is not None and self._given_components is None:
                 components.close()
+            if lock is not None:
+                lock.release()
             raise
-        return _Run(services, components, run_dir, start)
+        return _Run(services, components, run_dir, start, lock=lock)
 
     def _observe(self, run: _Run) -> None:
         """Prometheus (served if asked), experiment trackers and the ``on_step`` listener."""

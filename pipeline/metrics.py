@@ -42,6 +42,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from tandem.core.channel import ReceiveChannel
+from tandem.core.config import ConfigError
 from tandem.core.history import StepRecord, SyncRecord, ValidationRecord
 from tandem.core.ledger import Ledger
 from tandem.core.staleness import StalenessGate, VersionClock
@@ -234,8 +235,17 @@ class FlowMetrics:
         self.validation_version.set(record.version)
 
     def serve(self, port: int) -> int:
-        """Serve on 127.0.0.1:``port`` (0 = any free port); return the bound port."""
-        self._server, _thread = start_http_server(port, addr="127.0.0.1", registry=self.registry)
+        """Serve on 127.0.0.1:``port`` (0 = any free port); return the bound port.
+
+        A port that cannot be bound (in use, or privileged) is a config error naming the field,
+        raised before any role starts."""
+        try:
+            self._server, _thread = start_http_server(port, addr="127.0.0.1", registry=self.registry)
+        except OSError as err:
+            raise ConfigError(
+                f"observability.metrics_port: cannot serve metrics on 127.0.0.1:{port} ({err.strerror}); "
+                "choose another port, 0 for any free one, or null for none"
+            ) from None
         return int(self._server.server_address[1])
 
     def close(self) -> None:

@@ -37,6 +37,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import inspect
 import threading
 from collections import deque
 from collections.abc import AsyncIterator, Sequence
@@ -217,6 +218,9 @@ class HFRolloutEngine(ClosesOnAThread):
 
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
         self._model = model.to(self._device).eval().requires_grad_(False)
+        # transformers renamed forward's ``past_key_values`` to ``cache`` (the old name warns on
+        # every call and is removed in 5.40); older releases know only the old one.
+        self._cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         # The batch cache is managed as plain per-layer tensors; sliding-window or linear
         # attention layers would need their own bookkeeping, so refuse them loudly.
         layer_types = {type(layer) for layer in DynamicCache(config=model.config).layers}
@@ -353,7 +357,7 @@ class HFRolloutEngine(ClosesOnAThread):
         for idx in groups.values():
             ids = torch.tensor([token_lists[i] for i in idx], device=self._device)
             cache = DynamicCache()
-            logits = self._model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+            logits = self._model(input_ids=ids, **{self._cache_arg: cache}, use_cache=True, logits_to_keep=1).logits
             mask = torch.ones(ids.shape, dtype=torch.long, device=self._device)
             out.append((_Batch([rows[i] for i in idx], cache, mask), logits[:, -1]))
         return out
@@ -377,7 +381,7 @@ class HFRolloutEngine(ClosesOnAThread):
             input_ids=input_ids,
             attention_mask=mask,
             position_ids=positions,
-            past_key_values=batch.cache,
+            **{self._cache_arg: batch.cache},
             use_cache=True,
         ).logits[:, -1]
         batch.mask = mask

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import warnings
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -149,6 +150,14 @@ async def test_max_new_tokens_and_stop_strings(engine: HFRolloutEngine) -> None:
     assert stopped.payload.response_ids == free.payload.response_ids[:n]
     assert stopped.behaviour_logprobs == free.behaviour_logprobs[:n]
     assert stopped.payload.text.endswith(stop) and stop not in decode(stopped.payload.response_ids[:-1])
+
+
+async def test_decoding_passes_the_cache_by_transformers_current_name(engine: HFRolloutEngine) -> None:
+    # The deprecated ``past_key_values`` warns on every forward, and stops working in transformers 5.40.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        await collect(engine.generate(requests([5, 9, 3])))
+    assert [str(w.message) for w in caught if "past_key_values" in str(w.message)] == []
 
 
 async def test_eos_stops_a_sequence(eos_model_dir: Path) -> None:

@@ -71,6 +71,30 @@ def test_run_by_name_trains_and_prints_the_summary(capsys: pytest.CaptureFixture
     assert "Traceback" not in err
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--no-progress", "run.max_steps=3", "observability.write_run_dir=false"],
+        ["run.max_steps=3", "--no-progress", "observability.write_run_dir=false"],
+        ["--set", "run.max_steps=3", "--no-progress", "--set=observability.write_run_dir=false"],
+        ["--no-progress", "--set", "run.max_steps=3", "observability.write_run_dir=false"],
+    ],
+    ids=["overrides-after-option", "option-between-overrides", "set-only", "set-and-bare"],
+)
+def test_options_and_overrides_come_in_any_order(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", "sim_k1", "observability.log_level=warning", *argv]) == 0
+    out, err = capsys.readouterr()
+    assert out.strip().splitlines()[-1].startswith("done: 3 steps in ")
+    assert out.strip().endswith("run folder (not written)")
+    assert "step" not in err  # --no-progress took effect wherever it stood: no bar
+
+
+def test_an_override_given_twice_exits_2_naming_the_key(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", "sim_k1", "run.max_steps=2", *QUIET, "--set", "run.max_steps=3"]) == 2
+    err = capsys.readouterr().err
+    assert "override given more than once: run.max_steps" in err and "Traceback" not in err
+
+
 def test_run_by_path_writes_the_run_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     config = tmp_path / "mine.yaml"
     config.write_text("# A tiny run.\nrun: {name: mine, max_steps: 2}\ntrain: {prompts_per_step: 2}\n")
