@@ -6,7 +6,9 @@ process boundary differs. Methods are ``async``: an actor serves several calls a
 rollout actor streams many ``generate`` calls into one continuous batch), and the engines keep
 their blocking compute on their own worker threads, never on the actor's event loop.
 
-- :class:`RolloutActor`: an ``HFRolloutEngine`` plus the rollout end of weight sync
+- :class:`RolloutActor`: a workload's rollout engine, built by the factory it is given (the text
+  engine's ``engines.text.build.rollout_engine``, the image engine's
+  ``engines.diffusion.build.image_rollout_engine``), plus the rollout end of weight sync
   (:class:`~param_sync.transports.object_store.ObjectStoreEndpoint`), whose methods run in the
   ``weights`` concurrency group: on an event loop and thread of their own, so a load never
   stalls the streaming of samples.
@@ -29,7 +31,7 @@ import datetime
 import os
 import socket
 import threading
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +39,7 @@ import numpy as np
 import ray
 
 from tandem.core.config import TandemConfig
-from tandem.core.protocols import GenerationRequest, LossObjective, Reward, RewardResult, SyncReport
+from tandem.core.protocols import LossObjective, Reward, RewardResult, SyncReport
 from tandem.core.records import PromptGroup, Trajectory
 from tandem.param_sync.bucket import BucketHeader, Manifest
 from tandem.param_sync.receiver import LoadReport, Receiver
@@ -47,7 +49,10 @@ from tandem.param_sync.transports.object_store import (
     RemoteReceiver,
 )
 
-__all__ = ["ReferenceActor", "RewardActor", "RolloutActor", "TrainRankActor", "TrainerActor"]
+__all__ = ["ReferenceActor", "RewardActor", "RolloutActor", "RolloutEngineFactory", "TrainRankActor", "TrainerActor", "init_gloo"]
+
+# Builds a rollout engine with a param_sync target from (config, threads), in the actor's process.
+RolloutEngineFactory = Callable[[TandemConfig, int], Any]
 
 _GLOO_TIMEOUT = datetime.timedelta(minutes=2)
 
@@ -56,12 +61,10 @@ _GLOO_TIMEOUT = datetime.timedelta(minutes=2)
 # transfer's calls at once: a bucket per call, far more than any model here has.
 @ray.remote(concurrency_groups={"weights": 1024})
 class RolloutActor:
-    def __init__(self, config: TandemConfig, name: str, num_threads: int) -> None:
-        from tandem.engines.text.build import rollout_engine
-
+    def __init__(self, config: TandemConfig, name: str, num_threads: int, make_engine: RolloutEngineFactory) -> None:
         _quiet()
         self.name = name
-        self.engine = rollout_engine(config, num_threads)
+        self.engine = make_engine(config, num_threads)
         self.receiver = Receiver(self.engine.target, consume_bucket_mb=config.param_sync.consume_bucket_mb, engine=name)
         self.endpoint = ObjectStoreEndpoint(self.receiver)
 
@@ -69,7 +72,8 @@ class RolloutActor:
         """(process id, loaded version): a new pid means the actor was restarted."""
         return os.getpid(), self.engine.version
 
-    async def generate(self, requests: Sequence[GenerationRequest]) -> AsyncIterator[Trajectory]:
+    async def generate(self, requests: Sequence[Any]) -> AsyncIterator[Trajectory]:
+        """The engine's own requests (``GenerationRequest`` for text, ``DenoiseRequest`` for images)."""
         async for trajectory in self.engine.generate(requests):
             yield trajectory
 
@@ -77,7 +81,7 @@ class RolloutActor:
         """Join the trainer's gloo group as ``rank``; serve its broadcasts on a thread of its own."""
         from tandem.param_sync import serve_dist
 
-        await asyncio.to_thread(_init_gloo, address, rank, world_size)
+        await asyncio.to_thread(init_gloo, address, rank, world_size)
         threading.Thread(target=serve_dist, args=(self.receiver,), name="dist-serve", daemon=True).start()
 
     @ray.method(concurrency_group="weights")
@@ -129,7 +133,7 @@ class TrainerActor:
         weights by broadcast; returns once every rank has joined."""
         from tandem.param_sync import DistTransport
 
-        await asyncio.to_thread(_init_gloo, address, 0, world_size)
+        await asyncio.to_thread(init_gloo, address, 0, world_size)
         self._sync_over(DistTransport(src=0))
 
     def _sync_over(self, transport: Any) -> None:
@@ -224,7 +228,8 @@ def _quiet() -> None:
     hf_logging.disable_progress_bar()
 
 
-def _init_gloo(address: str, rank: int, world_size: int) -> None:
+def init_gloo(address: str, rank: int, world_size: int) -> None:
+    """Join a gloo group at ``address`` as ``rank`` (weight sync over torch.distributed)."""
     import torch.distributed as dist
 
     # A peer that died mid-broadcast fails the collective after this long, not gloo's 30 min.

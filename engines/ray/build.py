@@ -398,6 +398,7 @@ def build_ray_components(config: TandemConfig, setup: TaskSetup) -> Components:
     from tandem.engines.text.build import (
         prompt_budget,
         resolve_model_path,
+        rollout_engine,
         sampling_params,
         tokenized,
         tokenized_held_out,
@@ -428,7 +429,7 @@ def build_ray_components(config: TandemConfig, setup: TaskSetup) -> Components:
                 handle = TrainRankActor.options(**options).remote(config, spec.train_threads or 1)
             elif placement.role == "generate":
                 handle = RolloutActor.options(max_restarts=restarts, **options).remote(
-                    config, placement.name, _threads(config, placement)
+                    config, placement.name, _threads(config, placement), rollout_engine
                 )
             elif placement.role == "train":
                 handle = TrainerActor.options(**options).remote(config, _threads(config, placement))

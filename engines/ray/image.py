@@ -1,7 +1,7 @@
 """The image workload on Ray: its rollout and train engines as Ray actors, driven by the same flow.
 
 What it owns: the two actor classes that host the diffusion engines
-(:class:`DiffusionRolloutActor`, :class:`DiffusionTrainerActor`) and the builder that places
+(the shared ``RolloutActor`` over the image engine's factory, :class:`DiffusionTrainerActor`) and the builder that places
 them. Everything else is the text workload's Ray backend, reused as it is
 (``engines.ray.build``): the cluster connection and placement plan, the proxies the
 flow awaits (a rollout call's groups split between rollout actors and their streams merged,
@@ -19,12 +19,10 @@ import asyncio
 import datetime
 import os
 import socket
-import threading
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import ray
 import structlog
 from ray.util.placement_group import placement_group, remove_placement_group
@@ -35,9 +33,8 @@ from tandem.core.config import TandemConfig
 from tandem.core.protocols import LossObjective, SyncReport
 from tandem.core.records import Trajectory
 from tandem.core.resources import ActorPlacement
-from tandem.engines.diffusion.build import check_image_config, image_workflow
-from tandem.engines.diffusion.rollout import DenoiseRequest
-from tandem.engines.ray.actors import RewardActor
+from tandem.engines.diffusion.build import check_image_config, image_rollout_engine, image_workflow
+from tandem.engines.ray.actors import RewardActor, RolloutActor, init_gloo
 from tandem.engines.ray.build import (
     ActorRef,
     RayReward,
@@ -47,57 +44,12 @@ from tandem.engines.ray.build import (
     cluster_plan,
     connect,
 )
-from tandem.param_sync.bucket import BucketHeader, Manifest
-from tandem.param_sync.receiver import LoadReport, Receiver
-from tandem.param_sync.transports.object_store import ObjectStoreEndpoint, ObjectStoreTransport, RemoteReceiver
+from tandem.param_sync.transports.object_store import ObjectStoreTransport, RemoteReceiver
 
-__all__ = ["DiffusionRolloutActor", "DiffusionTrainerActor", "build_ray_image_components"]
+__all__ = ["DiffusionTrainerActor", "build_ray_image_components"]
 
 log = structlog.get_logger("tandem.ray")
 _GLOO_TIMEOUT = datetime.timedelta(minutes=2)
-
-
-# As the text rollout actor: weight-sync calls run on a loop of their own ("weights"), so a load never
-# stalls the streaming of images.
-@ray.remote(concurrency_groups={"weights": 1024})
-class DiffusionRolloutActor:
-    def __init__(self, config: TandemConfig, name: str, num_threads: int) -> None:
-        from tandem.engines.diffusion.build import image_rollout_engine
-
-        self.name = name
-        self.engine = image_rollout_engine(config, num_threads)
-        self.receiver = Receiver(self.engine.target, consume_bucket_mb=config.param_sync.consume_bucket_mb, engine=name)
-        self.endpoint = ObjectStoreEndpoint(self.receiver)
-
-    async def ready(self) -> tuple[int, int]:
-        """(process id, loaded version): a new pid means the actor was restarted."""
-        return os.getpid(), self.engine.version
-
-    async def generate(self, requests: Sequence[DenoiseRequest]) -> AsyncIterator[Trajectory]:
-        async for trajectory in self.engine.generate(requests):
-            yield trajectory
-
-    async def join_dist(self, address: str, rank: int, world_size: int) -> None:
-        from tandem.param_sync import serve_dist
-
-        await asyncio.to_thread(_init_gloo, address, rank, world_size)
-        threading.Thread(target=serve_dist, args=(self.receiver,), name="dist-serve", daemon=True).start()
-
-    @ray.method(concurrency_group="weights")
-    async def begin(self, transfer: int, manifest: Manifest) -> None:
-        await self.endpoint.begin(transfer, manifest)
-
-    @ray.method(concurrency_group="weights")
-    async def bucket(self, transfer: int, index: int, header: BucketHeader, chunk: np.ndarray) -> None:
-        await self.endpoint.bucket(transfer, index, header, chunk)
-
-    @ray.method(concurrency_group="weights")
-    async def end(self, transfer: int, index: int) -> LoadReport:
-        return await self.endpoint.end(transfer, index)
-
-    @ray.method(concurrency_group="weights")
-    async def abort(self, transfer: int, index: int, reason: str) -> LoadReport:
-        return await self.endpoint.abort(transfer, index, reason)
 
 
 @ray.remote
@@ -127,7 +79,7 @@ class DiffusionTrainerActor:
     async def connect_dist(self, address: str, world_size: int) -> None:
         from tandem.param_sync import DistTransport
 
-        await asyncio.to_thread(_init_gloo, address, 0, world_size)
+        await asyncio.to_thread(init_gloo, address, 0, world_size)
         self._sync_over(DistTransport(src=0))
 
     def _sync_over(self, transport: Any) -> None:
@@ -157,13 +109,6 @@ class DiffusionTrainerActor:
 
     async def save_checkpoint(self, folder: str) -> None:
         await self.engine.export(Path(folder))
-
-
-def _init_gloo(address: str, rank: int, world_size: int) -> None:
-    import torch.distributed as dist
-
-    # A peer that died mid-broadcast fails the collective after this long, not gloo's 30 min.
-    dist.init_process_group("gloo", init_method=address, rank=rank, world_size=world_size, timeout=_GLOO_TIMEOUT)
 
 
 def _threads(config: TandemConfig, placement: ActorPlacement) -> int:
@@ -205,8 +150,8 @@ def build_ray_image_components(config: TandemConfig, setup: TaskSetup) -> Compon
             amount = {"num_gpus": placement.share, "num_cpus": 0} if plan.device == "GPU" else {"num_cpus": placement.share}
             options = {"scheduling_strategy": PlacementGroupSchedulingStrategy(group, slots.index(placement.slot)), **amount}
             if placement.role == "generate":
-                handle = DiffusionRolloutActor.options(max_restarts=restarts, **options).remote(
-                    config, placement.name, _threads(config, placement)
+                handle = RolloutActor.options(max_restarts=restarts, **options).remote(
+                    config, placement.name, _threads(config, placement), image_rollout_engine
                 )
                 rollout_actors.append(ActorRef("generate", placement.name, handle, restartable=restarts > 0))
             else:
