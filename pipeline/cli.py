@@ -28,6 +28,7 @@ from tandem.core.config import ConfigError, TandemConfig, load_config
 from tandem.core.history import StepRecord
 from tandem.core.paths import CONFIGS_DIR
 from tandem.engines.server.options import add_arguments as add_serve_arguments
+from tandem.pipeline.config_show import render_config
 from tandem.pipeline.flow import AsyncTrainingFlow, FlowResult
 from tandem.pipeline.logs import configure_logging
 from tandem.state_machines.base import StageError
@@ -64,6 +65,13 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="set_overrides",
                      help="an override, the same as a bare KEY=VALUE (repeatable)")
     run.add_argument("--no-progress", action="store_true", help="no progress bar (logs and summary only)")
+    config = commands.add_parser("config", help="show a resolved config", description="Show a config as a run would use it.")
+    config_commands = config.add_subparsers(dest="config_command", required=True, metavar="ACTION")
+    show = config_commands.add_parser("show", help="print the resolved config, each field with its one-line doc",
+                                      description="Print CONFIG after its overrides and every default, as YAML with "
+                                      "each field's one-line doc; errors as `tandem run` reports them.")
+    show.add_argument("config", metavar="CONFIG", help="a YAML path, or the name of a shipped config")
+    show.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, as for `tandem run`")
     serve = commands.add_parser("serve", help="serve a model's rollout engine behind sglang's HTTP API",
                                 description="The rollout engine in a process of its own, speaking sglang's native "
                                 "HTTP API (and OpenAI's /v1 completions) until SIGTERM or Ctrl-C.")
@@ -179,6 +187,13 @@ def main(argv: list[str] | None = None) -> int:
 
         configure_logging("console", "info")
         return serve(args)
+    if args.command == "config":
+        try:
+            print(render_config(load_config(args.config, args.overrides)), end="")
+        except ConfigError as err:
+            print(f"tandem: {err}", file=sys.stderr)
+            return EXIT_CONFIG_ERROR
+        return 0
     # The bar is on by default from the command line; the user's own override still wins,
     # and --no-progress wins over both.
     overrides = ["observability.progress=true", *args.overrides]

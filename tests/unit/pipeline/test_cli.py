@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -12,8 +13,10 @@ from pathlib import Path
 
 import pytest
 import structlog
+import yaml
+from pydantic import BaseModel
 
-from tandem.core.config import load_config
+from tandem.core.config import load_config, validate_config
 from tandem.core.paths import CONFIGS_DIR
 from tandem.pipeline import AsyncTrainingFlow
 from tandem.pipeline.cli import main, summary_line
@@ -110,6 +113,28 @@ def test_an_unknown_override_key_exits_2_naming_the_field(capsys: pytest.Capture
     assert "run.max_stpes" in err and "unknown field" in err
     assert "did you mean run.max_steps?" in err  # the closest valid key
     assert "Traceback" not in err and not out
+
+
+@pytest.mark.parametrize("name", ["default", "sim_k1", "agentic_frozenlake", "flow_grpo_digits"])
+def test_config_show_prints_the_resolved_config_with_each_fields_doc(name: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["config", "show", name, "run.max_steps=7"]) == 0
+    out = capsys.readouterr().out
+    assert "  max_steps: 7  # Optimizer steps to train" in out  # the override, the default's doc
+    resolved = load_config(name, ["run.max_steps=7"])
+    shown = validate_config(yaml.safe_load(out))  # it loads back as the same config
+    assert shown == resolved
+    assert len(re.findall(r"^ *\w+:", out, flags=re.M)) == count_fields(resolved)  # every field, set or not
+
+
+def count_fields(model: BaseModel) -> int:
+    """Fields of ``model`` and of the sections nested in it, each section counted with its fields."""
+    return sum(1 + (count_fields(v) if isinstance(v := getattr(model, name), BaseModel) else 0)
+               for name in type(model).model_fields)
+
+
+def test_config_show_refuses_a_bad_override_naming_the_field(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["config", "show", "sim_k1", "run.max_stepz=7"]) == 2
+    assert "run.max_stepz: unknown field; did you mean run.max_steps?" in capsys.readouterr().err
 
 
 def test_an_invalid_literal_exits_2_naming_the_allowed_values(capsys: pytest.CaptureFixture[str]) -> None:
