@@ -21,7 +21,6 @@ Functions cross to the workers by dotted path and are imported there once.
 from __future__ import annotations
 
 import asyncio
-import importlib
 import inspect
 import math
 import multiprocessing
@@ -30,6 +29,7 @@ from collections.abc import Callable, Sequence
 from functools import cache
 from typing import Any
 
+from tandem.core.config import import_named
 from tandem.core.protocols import RewardResult
 from tandem.core.records import PromptGroup, Trajectory
 from tandem.core.task import RewardFunction
@@ -46,11 +46,7 @@ CONTEXT_KEYS = ("prompt", "meta", "trajectory")  # what a function may declare b
 @cache
 def resolve_function(path: str) -> Callable[..., Any]:
     """The function ``module:function`` names (imported once per process)."""
-    module_name, _, name = path.partition(":")
-    try:
-        fn = getattr(importlib.import_module(module_name), name)
-    except (ImportError, AttributeError) as err:
-        raise ValueError(f"reward function {path!r} cannot be imported: {err}") from None
+    fn = import_named(path, "task.rewards")
     if not callable(fn):
         raise ValueError(f"reward function {path!r} is not callable")
     return fn

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from tandem.core.components import Components, PromptSource, TaskSetup
-from tandem.core.config import ConfigError, TandemConfig
+from tandem.core.config import ConfigError, TandemConfig, import_named
 from tandem.core.records import Trajectory
 from tandem.core.task import RewardFunction, Task
 from tandem.engines.rewards import TaskReward
@@ -112,8 +112,7 @@ def build_components(config: TandemConfig) -> Components:
     config = with_task_model(config, task)
     items = training_items(config, task)
     reward = build_reward(config, task, kind)
-    module, _, name = target.partition(":")
-    builder: Callable[[TandemConfig, TaskSetup], Components] = getattr(importlib.import_module(module), name)
+    builder: Callable[[TandemConfig, TaskSetup], Components] = import_named(target, "engines.type")
     try:
         components = builder(config, TaskSetup(task, items, reward))
     except BaseException:

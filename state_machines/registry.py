@@ -8,11 +8,11 @@ stage, a built-in name replaces that role.
 from __future__ import annotations
 
 import asyncio
-import importlib
 from collections.abc import Mapping
 from typing import Any
 
 from tandem.core.channel import ReceiveChannel, SendChannel
+from tandem.core.config import import_named
 from tandem.state_machines.base import FlowServices, StateMachine
 from tandem.state_machines.critic import CriticStateMachine
 from tandem.state_machines.dataloader import DataloaderStateMachine
@@ -52,11 +52,7 @@ def resolve_stage_class(name: str, custom_stages: Mapping[str, str]) -> type[Sta
             return ROLE_STATE_MACHINES[name]
         except KeyError:
             raise ValueError(f"no role named {name!r}; known roles: {sorted(ROLE_STATE_MACHINES)}") from None
-    module_name, _, class_name = target.partition(":")
-    try:
-        cls = getattr(importlib.import_module(module_name), class_name)
-    except (ImportError, AttributeError) as err:
-        raise ValueError(f"flow.custom_stages.{name}: cannot import {target!r}: {err}") from None
+    cls = import_named(target, f"flow.custom_stages.{name}")
     if not (isinstance(cls, type) and issubclass(cls, StateMachine)):
         raise ValueError(f"flow.custom_stages.{name}: {target!r} is not a StateMachine subclass")
     return cls

@@ -44,7 +44,6 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
-import importlib
 import math
 import multiprocessing as mp
 import pickle
@@ -65,7 +64,7 @@ from typing import Any, Protocol, TypeVar
 import torch
 
 from tandem.algorithms.metrics import merge_metric_sums
-from tandem.core.config import TandemConfig, TorchEnginesConfig
+from tandem.core.config import TandemConfig, TorchEnginesConfig, import_named
 from tandem.core.protocols import LossObjective
 from tandem.core.records import Trajectory
 from tandem.engines.shared.microbatch import token_payload
@@ -374,8 +373,7 @@ class RankServer:
 
         hf_logging.disable_progress_bar()  # a rank's loads and exports would interleave bars with the run's display
         apply_thread_budget(spec.num_threads)
-        module, _, name = RANK_ENGINES[spec.engine].partition(":")
-        engine_class = getattr(importlib.import_module(module), name)
+        engine_class = import_named(RANK_ENGINES[spec.engine], "engines.train")
         self.spec = spec
         self.rank = rank
         self.engine: RankEngine = engine_class(

@@ -123,5 +123,5 @@ def test_async_functions_and_functions_that_read_their_context(runner: str) -> N
 
 
 def test_a_function_that_cannot_be_imported_is_named_before_anything_runs() -> None:
-    with pytest.raises(ValueError, match=r"reward function 'tests.unit.engines.rewards_for_tests:nope' cannot be imported"):
+    with pytest.raises(ValueError, match=r"task.rewards: cannot import 'tests.unit.engines.rewards_for_tests:nope'"):
         TaskReward([RewardFunction("x", f"{FN}:nope")], text)
