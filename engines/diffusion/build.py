@@ -14,6 +14,7 @@ the cores when generation overlaps training (k >= 1), all of them each when they
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from tandem.core.components import Components, TaskSetup
@@ -76,6 +77,14 @@ def image_rollout_engine(config: TandemConfig, num_threads: int) -> DiffusionRol
         guidance_scale=config.diffusion.guidance_scale, device=spec.device, dtype=TORCH_DTYPES[spec.dtype],
         max_batch_size=spec.max_batch_size, num_threads=num_threads, load_mode=config.param_sync.load_mode,
     )
+
+
+def image_trainer_with_export(
+    config: TandemConfig, num_threads: int
+) -> tuple[DiffusionTrainEngine, Callable[[Path], Awaitable[None]]]:
+    """The image trainer and its export (the generator folder), as the Ray trainer actor holds them."""
+    engine = image_train_engine(config, num_threads)
+    return engine, engine.export
 
 
 def image_train_engine(config: TandemConfig, num_threads: int) -> DiffusionTrainEngine:

@@ -12,7 +12,8 @@ their blocking compute on their own worker threads, never on the actor's event l
   (:class:`~param_sync.transports.object_store.ObjectStoreEndpoint`), whose methods run in the
   ``weights`` concurrency group: on an event loop and thread of their own, so a load never
   stalls the streaming of samples.
-- :class:`TrainerActor`: the trained policy (``TorchTrainEngine``) and the trainer end of weight sync
+- :class:`TrainerActor`: the trained policy (built by its workload's factory: the text trainer's
+  ``engines.text.build.trainer_with_export``, the image trainer's) and the trainer end of weight sync
   (``TorchWeightSync`` over an :class:`ObjectStoreTransport` to the rollout actors, or over a
   ``DistTransport`` broadcasting to them in a gloo group, where they serve it on a thread).
 - :class:`TrainRankActor`: one rank of a trainer group (``engines.trainers.group``: FSDP2 or
@@ -31,7 +32,7 @@ import datetime
 import os
 import socket
 import threading
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -49,10 +50,21 @@ from tandem.param_sync.transports.object_store import (
     RemoteReceiver,
 )
 
-__all__ = ["ReferenceActor", "RewardActor", "RolloutActor", "RolloutEngineFactory", "TrainRankActor", "TrainerActor", "init_gloo"]
+__all__ = [
+    "ReferenceActor",
+    "RewardActor",
+    "RolloutActor",
+    "RolloutEngineFactory",
+    "TrainRankActor",
+    "TrainerActor",
+    "TrainerFactory",
+    "init_gloo",
+]
 
 # Builds a rollout engine with a param_sync target from (config, threads), in the actor's process.
 RolloutEngineFactory = Callable[[TandemConfig, int], Any]
+# Builds the trained policy and its export (an async function of the folder) from (config, threads).
+TrainerFactory = Callable[[TandemConfig, int], tuple[Any, Callable[[Path], Awaitable[None]]]]
 
 _GLOO_TIMEOUT = datetime.timedelta(minutes=2)
 
@@ -103,14 +115,10 @@ class RolloutActor:
 
 @ray.remote
 class TrainerActor:
-    def __init__(self, config: TandemConfig, num_threads: int) -> None:
-        from tandem.engines.shared.tokenizer import load_tokenizer
-        from tandem.engines.text.build import resolve_model_path, train_engine
-
+    def __init__(self, config: TandemConfig, num_threads: int, make_trainer: TrainerFactory) -> None:
         _quiet()
         self.config = config
-        self.engine = train_engine(config, num_threads)
-        self.tokenizer = load_tokenizer(str(resolve_model_path(config.engines.model_path)))  # type: ignore[union-attr]
+        self.engine, self._export = make_trainer(config, num_threads)
         self.weight_sync: Any = None
 
     async def ready(self) -> tuple[int, int]:
@@ -162,9 +170,7 @@ class TrainerActor:
         return os.getpid(), self.engine.version
 
     async def save_checkpoint(self, folder: str) -> None:
-        from tandem.engines.text.build import save_checkpoint
-
-        await asyncio.to_thread(save_checkpoint, self.engine, self.tokenizer, Path(folder))
+        await self._export(Path(folder))
 
 
 @ray.remote(concurrency_groups={"weights": 1})

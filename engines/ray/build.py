@@ -402,6 +402,7 @@ def build_ray_components(config: TandemConfig, setup: TaskSetup) -> Components:
         sampling_params,
         tokenized,
         tokenized_held_out,
+        trainer_with_export,
     )
     from tandem.engines.text.workflow import SingleTurnWorkflow
 
@@ -432,7 +433,7 @@ def build_ray_components(config: TandemConfig, setup: TaskSetup) -> Components:
                     config, placement.name, _threads(config, placement), rollout_engine
                 )
             elif placement.role == "train":
-                handle = TrainerActor.options(**options).remote(config, _threads(config, placement))
+                handle = TrainerActor.options(**options).remote(config, _threads(config, placement), trainer_with_export)
             else:
                 handle = ReferenceActor.options(**options).remote(config, _threads(config, placement))
             ref = ActorRef(placement.role, placement.name, handle, restartable=placement.role == "generate" and restarts > 0)

@@ -1,7 +1,7 @@
 """The image workload on Ray: its rollout and train engines as Ray actors, driven by the same flow.
 
 What it owns: the two actor classes that host the diffusion engines
-(the shared ``RolloutActor`` over the image engine's factory, :class:`DiffusionTrainerActor`) and the builder that places
+(the shared ``RolloutActor`` and ``TrainerActor`` over the image engines' factories) and the builder that places
 them. Everything else is the text workload's Ray backend, reused as it is
 (``engines.ray.build``): the cluster connection and placement plan, the proxies the
 flow awaits (a rollout call's groups split between rollout actors and their streams merged,
@@ -15,11 +15,7 @@ the weight-sync endpoints and methods are the same, so ``RayWeightSync`` drives 
 
 from __future__ import annotations
 
-import asyncio
 import datetime
-import os
-import socket
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,11 +26,9 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from tandem.core.components import Components, TaskSetup
 from tandem.core.config import TandemConfig
-from tandem.core.protocols import LossObjective, SyncReport
-from tandem.core.records import Trajectory
 from tandem.core.resources import ActorPlacement
-from tandem.engines.diffusion.build import check_image_config, image_rollout_engine, image_workflow
-from tandem.engines.ray.actors import RewardActor, RolloutActor, init_gloo
+from tandem.engines.diffusion.build import check_image_config, image_rollout_engine, image_trainer_with_export, image_workflow
+from tandem.engines.ray.actors import RewardActor, RolloutActor, TrainerActor
 from tandem.engines.ray.build import (
     ActorRef,
     RayReward,
@@ -44,71 +38,11 @@ from tandem.engines.ray.build import (
     cluster_plan,
     connect,
 )
-from tandem.param_sync.transports.object_store import ObjectStoreTransport, RemoteReceiver
 
-__all__ = ["DiffusionTrainerActor", "build_ray_image_components"]
+__all__ = ["build_ray_image_components"]
 
 log = structlog.get_logger("tandem.ray")
 _GLOO_TIMEOUT = datetime.timedelta(minutes=2)
-
-
-@ray.remote
-class DiffusionTrainerActor:
-    def __init__(self, config: TandemConfig, num_threads: int) -> None:
-        from tandem.engines.diffusion.build import image_train_engine
-
-        self.config = config
-        self.engine = image_train_engine(config, num_threads)
-        self.weight_sync: Any = None
-
-    async def ready(self) -> tuple[int, int]:
-        return os.getpid(), self.engine.version
-
-    async def connect(self, rollouts: list[tuple[str, Any]]) -> None:
-        """Sync weights through the object store to these rollout actors, as (name, handle) pairs."""
-        self._sync_over(ObjectStoreTransport([RemoteReceiver(name, handle) for name, handle in rollouts]))
-
-    async def dist_address(self) -> str:
-        """A rendezvous address on this actor's node for a gloo group it leads."""
-        host = ray.util.get_node_ip_address()
-        with socket.socket() as probe:
-            probe.bind((host, 0))
-            port = probe.getsockname()[1]
-        return f"tcp://{host}:{port}"
-
-    async def connect_dist(self, address: str, world_size: int) -> None:
-        from tandem.param_sync import DistTransport
-
-        await asyncio.to_thread(init_gloo, address, 0, world_size)
-        self._sync_over(DistTransport(src=0))
-
-    def _sync_over(self, transport: Any) -> None:
-        from tandem.engines.shared.weight_sync import TorchWeightSync, TrainerSyncSource
-        from tandem.param_sync import ParamSyncer
-
-        source = TrainerSyncSource(self.engine)
-        syncer = ParamSyncer(source, transport, produce_bucket_mb=self.config.param_sync.produce_bucket_mb)
-        self.weight_sync = TorchWeightSync(source, syncer)
-
-    async def train_step(self, batch: Sequence[Trajectory], objective: LossObjective) -> tuple[dict[str, float], int]:
-        metrics = await self.engine.train_step(batch, objective)
-        return metrics, self.engine.version
-
-    async def logprobs(self, trajectories: Sequence[Trajectory]) -> list[list[float]]:
-        return await self.engine.logprobs(trajectories)
-
-    async def sync(self, version: int) -> SyncReport:
-        return await self.weight_sync.sync(version)
-
-    async def save_state(self, folder: str) -> None:
-        await self.engine.save_state(Path(folder))
-
-    async def load_state(self, folder: str) -> tuple[int, int]:
-        await self.engine.load_state(Path(folder))
-        return os.getpid(), self.engine.version
-
-    async def save_checkpoint(self, folder: str) -> None:
-        await self.engine.export(Path(folder))
 
 
 def _threads(config: TandemConfig, placement: ActorPlacement) -> int:
@@ -155,7 +89,7 @@ def build_ray_image_components(config: TandemConfig, setup: TaskSetup) -> Compon
                 )
                 rollout_actors.append(ActorRef("generate", placement.name, handle, restartable=restarts > 0))
             else:
-                handle = DiffusionTrainerActor.options(**options).remote(config, _threads(config, placement))
+                handle = TrainerActor.options(**options).remote(config, _threads(config, placement), image_trainer_with_export)
                 trainer = ActorRef("train", placement.name, handle)
             handles.append(handle)
         # The reward reserves no slot: its functions run in its own worker processes (or inline in it).

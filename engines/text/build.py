@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -55,6 +55,7 @@ __all__ = [
     "tokenized",
     "tokenized_held_out",
     "train_engine",
+    "trainer_with_export",
     "value_engine",
 ]
 
@@ -132,6 +133,20 @@ def train_engine(config: TandemConfig, num_threads: int) -> TorchTrainEngine | T
     )
 
 
+def trainer_with_export(config: TandemConfig, num_threads: int) -> tuple[TorchTrainEngine | TrainerGroup, Export]:
+    """The trained policy and its HF export (weights and the model's tokenizer, loadable by
+    ``from_pretrained``): what the in-process bundle and the Ray trainer actor both hold."""
+    spec = config.engines
+    assert isinstance(spec, TorchEnginesConfig)
+    tokenizer = load_tokenizer(str(resolve_model_path(spec.model_path)))
+    engine = train_engine(config, num_threads)
+
+    async def export(folder: Path) -> None:
+        await asyncio.to_thread(save_checkpoint, engine, tokenizer, folder)
+
+    return engine, export
+
+
 def reference_engine(config: TandemConfig, num_threads: int) -> TorchLogProbEngine:
     """The frozen reference model a torch config describes."""
     spec = config.engines
@@ -197,6 +212,8 @@ def save_checkpoint(engine: TorchTrainEngine | TrainerGroup, tokenizer: Any, fol
     tokenizer.save_pretrained(folder)
 
 
+# Writes the trained policy as a Hugging Face folder (``Components.save_checkpoint``).
+Export = Callable[[Path], Awaitable[None]]
 # Where generation runs, given the trainer and the generation thread budget: the rollout engine
 # in this process and the weight sync that feeds it (``embedded_rollout`` here,
 # ``engines.vllm.build.vllm_rollout`` for vLLM). ``engines.build`` picks one per config.
@@ -231,13 +248,10 @@ def build_torch_components(
     gen_threads, train_threads = thread_budgets(config)
     tokenizer = load_tokenizer(str(resolve_model_path(spec.model_path)))
     max_prompt_tokens = prompt_budget(config, tokenizer)  # before any engine starts: bad input fails fast
-    engine = train_engine(config, train_threads)
+    engine, checkpoint = trainer_with_export(config, train_threads)
     reference = reference_engine(config, train_threads) if "ref_logp" in config.flow.stages else None
     critic = value_engine(config, train_threads) if "critic" in config.flow.stages else None
     rollout, weight_sync = place_rollout(config, engine, gen_threads)
-
-    async def checkpoint(folder: Path) -> None:
-        await asyncio.to_thread(save_checkpoint, engine, tokenizer, folder)
 
     # The sync first: a sync in flight finishes against live engines before they stop.
     closers = [weight_sync.close, rollout.close, engine.close] + ([reference.close] if reference else [])
