@@ -20,7 +20,6 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Iterator
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -31,15 +30,13 @@ from transformers import AutoModelForCausalLM
 from tandem.core.protocols import LossObjective
 from tandem.core.records import Trajectory
 from tandem.engines.shared.microbatch import MicroBatch, response_logprobs
-from tandem.engines.trainers.group import RankSpec
+from tandem.engines.trainers.group import RankSpec, join_rank_group, rank_optimizer
 from tandem.engines.trainers.loss_loop import StepTotals, accumulate, score
 from tandem.engines.trainers.torch_train import TRAINER_STATE_FILE
 from tandem.param_sync import unique_weights
 
 __all__ = ["DDPRank", "all_reduce_gradients", "broadcast_parameters"]
 
-# Bounds a collective when a rank hangs without dying (a dead rank is seen at once by the group).
-_TIMEOUT = timedelta(seconds=120)
 
 
 class DDPRank:
@@ -49,10 +46,7 @@ class DDPRank:
     state_file = TRAINER_STATE_FILE
 
     def __init__(self, spec: RankSpec, *, rank: int, world_size: int, init_method: str, device: torch.device) -> None:
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size, timeout=_TIMEOUT)
+        join_rank_group(rank=rank, world_size=world_size, init_method=init_method, device=device)
         self._spec = spec
         self._rank = rank
         self._device = device
@@ -61,8 +55,7 @@ class DDPRank:
         model = AutoModelForCausalLM.from_pretrained(spec.model_path, dtype=spec.torch_dtype)
         self._model = model.to(device).eval()
         broadcast_parameters(self._model, self._group)
-        self._optimizer = torch.optim.AdamW(self._model.parameters(), lr=spec.lr, weight_decay=spec.weight_decay)
-        self._scheduler = torch.optim.lr_scheduler.LambdaLR(self._optimizer, lambda step: spec.lr_factor(step))
+        self._optimizer, self._scheduler = rank_optimizer(spec, self._model)
 
     def _forward(self, batch: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
         return response_logprobs(self._model, batch, self._spec.temperature)

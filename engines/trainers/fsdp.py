@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -44,14 +43,12 @@ from transformers import AutoModelForCausalLM
 from tandem.core.protocols import LossObjective
 from tandem.core.records import Trajectory
 from tandem.engines.shared.microbatch import MicroBatch, response_logprobs
-from tandem.engines.trainers.group import RankSpec
+from tandem.engines.trainers.group import RankSpec, join_rank_group, rank_optimizer
 from tandem.engines.trainers.loss_loop import StepTotals, accumulate, score
 from tandem.param_sync import unique_weights
 
 __all__ = ["FSDPRank", "shard_model"]
 
-# Bounds the rendezvous and every collective when a rank hangs without dying.
-_TIMEOUT = timedelta(seconds=120)
 
 
 def shard_model(model: torch.nn.Module, mesh: torch.distributed.device_mesh.DeviceMesh) -> int:
@@ -76,10 +73,7 @@ class FSDPRank:
     state_file = "trainer_fsdp2.pt"
 
     def __init__(self, spec: RankSpec, *, rank: int, world_size: int, init_method: str, device: torch.device) -> None:
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size, timeout=_TIMEOUT)
+        join_rank_group(rank=rank, world_size=world_size, init_method=init_method, device=device)
         self._spec = spec
         self._rank = rank
         self._device = device
@@ -87,8 +81,7 @@ class FSDPRank:
         model = AutoModelForCausalLM.from_pretrained(spec.model_path, dtype=spec.torch_dtype)
         self._model = model.to(device).eval()
         shard_model(self._model, init_device_mesh(device.type, (world_size,)))
-        self._optimizer = torch.optim.AdamW(self._model.parameters(), lr=spec.lr, weight_decay=spec.weight_decay)
-        self._scheduler = torch.optim.lr_scheduler.LambdaLR(self._optimizer, lambda step: spec.lr_factor(step))
+        self._optimizer, self._scheduler = rank_optimizer(spec, self._model)
 
     def _forward(self, batch: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
         return response_logprobs(self._model, batch, self._spec.temperature)

@@ -56,12 +56,14 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 import torch
+import torch.distributed as dist
 
 from tandem.algorithms.metrics import merge_metric_sums
 from tandem.core.config import TandemConfig, TorchEnginesConfig, import_named
@@ -83,12 +85,16 @@ __all__ = [
     "TrainerGroup",
     "balance",
     "free_address",
+    "join_rank_group",
     "rank_device",
+    "rank_optimizer",
     "save_hf_folder",
     "start_rank",
 ]
 
 _T = TypeVar("_T")
+# Bounds a rank's collectives when another rank hangs without dying (a dead rank is seen at once).
+RANK_TIMEOUT = timedelta(seconds=120)
 # The rank engines by the config's name for them ("module:Class", imported in the rank only).
 RANK_ENGINES = {
     "ddp": "tandem.engines.trainers.ddp:DDPRank",
@@ -162,6 +168,21 @@ class RankSpec:
     def lr_factor(self, step: int) -> float:
         """Linear warm-up to the full LR, as ``TorchTrainEngine``'s schedule."""
         return 1.0 if self.warmup_steps == 0 else min(1.0, (step + 1) / self.warmup_steps)
+
+
+def join_rank_group(*, rank: int, world_size: int, init_method: str, device: torch.device) -> None:
+    """Join the group's default process group (NCCL on a GPU, which this rank then uses; gloo on
+    CPU), with a bounded collective timeout: a rank that hangs without dying fails the others."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size, timeout=RANK_TIMEOUT)
+
+
+def rank_optimizer(spec: RankSpec, model: torch.nn.Module) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+    """AdamW and the warm-up schedule of ``TorchTrainEngine``, from the spec, over ``model``'s parameters."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=spec.weight_decay)
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: spec.lr_factor(step))
 
 
 def rank_device(device: str, local_rank: int) -> torch.device:
