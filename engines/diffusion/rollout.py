@@ -33,10 +33,6 @@ Invariants:
 
 from __future__ import annotations
 
-import asyncio
-import threading
-from collections import deque
-from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,17 +41,12 @@ import torch
 
 from tandem.algorithms.flow_grpo import ode_step, sde_transition, transition_log_prob
 from tandem.core.records import FinishReason, Trajectory
-from tandem.core.threadsafe import post_to_loop
 from tandem.engines.diffusion.model import Conditioning, FlowMatchingGenerator, guided_velocity, load_generator
 from tandem.engines.diffusion.payload import ImagePayload
-from tandem.engines.shared.threads import ClosesOnAThread, apply_thread_budget
-from tandem.param_sync import GateClosedError, LoadMode, ModuleTarget
+from tandem.engines.shared.batching import Call, ContinuousBatcher, EngineClosedError
+from tandem.param_sync import LoadMode, ModuleTarget
 
 __all__ = ["DenoiseRequest", "DiffusionRolloutEngine", "EngineClosedError"]
-
-
-class EngineClosedError(RuntimeError):
-    """The engine was closed before this work could finish."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -74,28 +65,11 @@ class DenoiseRequest:
 
 
 @dataclass(slots=True)
-class _Call:
-    """One ``generate()`` call: the loop and queue its trajectories are delivered to."""
-
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue[Trajectory | BaseException]
-    rows: list[_Row] = field(default_factory=list)
-
-    def deliver(self, item: Trajectory | BaseException) -> None:
-        if not post_to_loop(self.loop, self.queue.put_nowait, item):  # nobody will read the rest
-            self.cancel()
-
-    def cancel(self) -> None:
-        for row in self.rows:
-            row.cancelled = True
-
-
-@dataclass(slots=True)
 class _Row:
     """A request from submission to delivery; mutated only by the denoising thread."""
 
     request: DenoiseRequest
-    call: _Call
+    call: Call[_Row]
     sigmas: list[float] = field(default_factory=list)
     rng: torch.Generator | None = None
     cond: Conditioning | None = None
@@ -120,7 +94,7 @@ def _validate(request: DenoiseRequest) -> None:
         raise ValueError(f"request {request.prompt_id}/{request.index}: no denoising steps")
 
 
-class DiffusionRolloutEngine(ClosesOnAThread):
+class DiffusionRolloutEngine(ContinuousBatcher[DenoiseRequest, _Row, list[_Row]]):
     """Samples images with Flow-GRPO's SDE sampler on one dedicated denoising thread.
 
     ``generate(requests)`` streams one image :class:`~core.records.Trajectory` per request
@@ -144,26 +118,15 @@ class DiffusionRolloutEngine(ClosesOnAThread):
     ) -> None:
         if noise_level <= 0:
             raise ValueError(f"noise_level must be > 0 (SDE steps need noise), got {noise_level}")
-        if max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
-        if num_threads < 1:
-            raise ValueError(f"num_threads must be >= 1, got {num_threads}")
+        super().__init__(max_batch_size=max_batch_size, num_threads=num_threads)
         self.noise_level = noise_level
         self.guidance_scale = guidance_scale
-        self._max_batch_size = max_batch_size
-        self._num_threads = num_threads
         self._generator = load_generator(model_path, device=device, dtype=dtype)
         self._uncond = self._generator.encode([""]) if guidance_scale != 1.0 else None
         self._sigmas: dict[int, list[float]] = {}  # schedule per number of steps (decode thread only)
         self.target = ModuleTarget(self._generator.transformer, load_mode=load_mode, version=start_version)
         self._serving = start_version  # decode thread only: the version its last step computed with
-
-        # Shared with the denoising thread, guarded by _cond.
-        self._cond = threading.Condition()
-        self._waiting: deque[_Row] = deque()
-        self._closing = False
-        self._thread = threading.Thread(target=self._run, name="diffusion-rollout", daemon=True)
-        self._thread.start()
+        self._start("diffusion-rollout")
 
     # ----------------------------------------------------------------------------- public API
 
@@ -177,93 +140,34 @@ class DiffusionRolloutEngine(ClosesOnAThread):
         """The served generator, for inspection; change weights only through ``target``."""
         return self._generator
 
-    def generate(self, requests: Sequence[DenoiseRequest]) -> AsyncIterator[Trajectory]:
-        """Queue every request now; the returned stream yields trajectories as they finish.
+    # ----------------------------------------------------------------------- the batching loop's hooks
 
-        Closing the stream early (``aclose()``, cancellation) drops its unfinished requests.
-        Must be called from a running event loop, which is where the trajectories are delivered.
-        """
-        for request in requests:
-            _validate(request)
-        call = _Call(asyncio.get_running_loop(), asyncio.Queue())
-        call.rows = [_Row(r, call) for r in requests]
-        with self._cond:
-            if self._closing:
-                raise EngineClosedError("generate() on a closed engine")
-            self._waiting.extend(call.rows)
-            self._cond.notify()
-        return self._stream(call)
+    def _validate(self, request: DenoiseRequest) -> None:
+        _validate(request)
 
-    def close(self) -> None:
-        """Stop the denoising thread; unfinished requests fail with EngineClosedError. A weight
-        update holding the step gate cannot keep it waiting."""
-        with self._cond:
-            self._closing = True
-            self._cond.notify()
-        self.target.gate.close()
-        self._thread.join()
+    def _new_row(self, request: DenoiseRequest, call: Call[_Row]) -> _Row:
+        return _Row(request, call)
 
+    def _empty(self) -> list[_Row]:
+        return []
 
-    # ----------------------------------------------------------------------- caller side
+    def _rows(self, batch: list[_Row]) -> list[_Row]:
+        return batch
 
-    async def _stream(self, call: _Call) -> AsyncIterator[Trajectory]:
-        try:
-            for _ in range(len(call.rows)):
-                item = await call.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-        finally:
-            call.cancel()  # a no-op for finished rows; frees the rows of the rest
-
-    # ----------------------------------------------------------------------- denoising thread
-
-    def _run(self) -> None:
-        apply_thread_budget(self._num_threads)
-        batch: list[_Row] = []
-        joining: list[_Row] = []
-        while True:
-            with self._cond:
-                while not (self._closing or self._waiting or batch):
-                    self._cond.wait()
-                if self._closing:
-                    break
-                joining = self._take_waiting(self._max_batch_size - len(batch))
-            try:
-                with torch.no_grad(), self.target.decode_step():
-                    self._serving = self.target.loaded_version
-                    batch = [row for row in batch if not row.cancelled]
-                    if joining:
-                        self._start(joining)
-                        batch, joining = batch + joining, []
-                    if batch:
-                        batch = self._step(batch)
-            except GateClosedError:  # closing while a weight update held the gate
-                break
-            except Exception as exc:  # a failed step fails the work it touched, not the engine
-                for row in batch + joining:
-                    row.call.deliver(exc)
-                batch, joining = [], []
-        closed = EngineClosedError("engine closed")
-        with self._cond:
-            leftovers, self._waiting = list(self._waiting), deque()
-        for row in batch + joining + leftovers:
-            row.call.deliver(closed)
-
-    def _take_waiting(self, free: int) -> list[_Row]:
-        taken: list[_Row] = []
-        while self._waiting and len(taken) < free:
-            row = self._waiting.popleft()
-            if not row.cancelled:
-                taken.append(row)
-        return taken
+    def _advance(self, batch: list[_Row], joining: list[_Row]) -> list[_Row]:
+        self._serving = self.target.loaded_version
+        batch = [row for row in batch if not row.cancelled]
+        if joining:
+            self._start_rows(joining)
+            batch = batch + joining
+        return self._step(batch) if batch else batch
 
     def _schedule(self, num_steps: int) -> list[float]:
         if num_steps not in self._sigmas:
             self._sigmas[num_steps] = self._generator.sigmas(num_steps)
         return self._sigmas[num_steps]
 
-    def _start(self, rows: list[_Row]) -> None:
+    def _start_rows(self, rows: list[_Row]) -> None:
         """Give joining rows their schedule, conditioning and starting noise."""
         shape = self._generator.latent_shape
         conditioning = self._generator.encode([row.request.prompt for row in rows])

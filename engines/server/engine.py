@@ -8,8 +8,8 @@ What it owns: :class:`ServedEngine`, an :class:`~engines.text.rollout.HFRolloutE
 - tells a listener after every decode step that appended tokens to its request (streaming);
 - freezes generation in place between two decode steps (``pause_generation`` mode ``in_place``).
 
-It reaches into the engine's request records (``_Call``, ``_Sequence``), which are the engine
-module's own: they are the one place a request's tokens live. The coupling is confined here.
+It holds the engine's request records (``shared.batching.Call``, ``text.rollout.DecodeRow``):
+they are the one place a request's tokens live.
 
 Invariants:
 - an abort or a snapshot reads a request's tokens while holding the target's step gate, so it
@@ -31,7 +31,8 @@ import torch
 from tandem.core.protocols import GenerationRequest
 from tandem.core.records import FinishReason, ResumePolicy, Trajectory
 from tandem.core.threadsafe import post_to_loop
-from tandem.engines.text.rollout import EngineClosedError, HFRolloutEngine, _Call, _request_generator, _Sequence, validate_request
+from tandem.engines.shared.batching import Call
+from tandem.engines.text.rollout import DecodeRow, HFRolloutEngine, validate_request
 from tandem.param_sync import GateClosedError
 
 __all__ = ["Partial", "Running", "ServedEngine"]
@@ -54,7 +55,7 @@ class Running:
     (aborted), or raises the engine's error."""
 
     request: GenerationRequest
-    seq: _Sequence
+    seq: DecodeRow
     outcome: asyncio.Future[Trajectory | Partial]
     listener: Callable[[], None] | None = None
     aborted: bool = False
@@ -74,19 +75,15 @@ class ServedEngine(HFRolloutEngine):
         """Queue one request; ``listener`` (called on this loop) hears of every token it gets."""
         validate_request(request)
         loop = asyncio.get_running_loop()
-        call = _Call(loop, asyncio.Queue())
-        seq = _Sequence(request, call, _request_generator(request))
-        call.sequences = [seq]
+        call: Call[DecodeRow] = Call(loop, asyncio.Queue())
+        seq = self._new_row(request, call)
+        call.rows = [seq]
         running = Running(request, seq, loop.create_future(), listener)
         running.settler = loop.create_task(self._settle(running, call))
         if listener is not None:
             with self._listen_lock:
                 self._listened[id(seq)] = (loop, listener)
-        with self._cond:
-            if self._closing:
-                raise EngineClosedError("submit() on a closed engine")
-            self._waiting.append(seq)
-            self._cond.notify()
+        self._enqueue([seq], "submit()")
         return running
 
     def cancel(self, running: Running) -> None:
@@ -147,7 +144,7 @@ class ServedEngine(HFRolloutEngine):
 
     # ----------------------------------------------------------------------- internals
 
-    async def _settle(self, running: Running, call: _Call) -> None:
+    async def _settle(self, running: Running, call: Call[DecodeRow]) -> None:
         """Move the engine's one delivery for this request into its outcome future."""
         try:
             item = await call.queue.get()
@@ -166,7 +163,7 @@ class ServedEngine(HFRolloutEngine):
             with self._listen_lock:
                 self._listened.pop(id(running.seq), None)
 
-    def _append_tokens(self, rows: list[_Sequence], logits: torch.Tensor) -> list[int]:
+    def _append_tokens(self, rows: list[DecodeRow], logits: torch.Tensor) -> list[int]:
         keep = super()._append_tokens(rows, logits)
         if self._listened:
             with self._listen_lock:

@@ -36,11 +36,7 @@ Invariants:
 
 from __future__ import annotations
 
-import asyncio
 import inspect
-import threading
-from collections import deque
-from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -51,41 +47,19 @@ from transformers.cache_utils import DynamicLayer
 
 from tandem.core.protocols import GenerationRequest
 from tandem.core.records import FinishReason, ResumePolicy, Trajectory, token_trajectory
-from tandem.core.threadsafe import post_to_loop
-from tandem.engines.shared.threads import ClosesOnAThread, apply_thread_budget
+from tandem.engines.shared.batching import Call, ContinuousBatcher, EngineClosedError
 from tandem.engines.shared.tokenizer import load_tokenizer
-from tandem.param_sync import GateClosedError, LoadMode, ModuleTarget
+from tandem.param_sync import LoadMode, ModuleTarget
 
-__all__ = ["EngineClosedError", "HFRolloutEngine", "validate_request"]
-
-
-class EngineClosedError(RuntimeError):
-    """The engine was closed before this work could finish."""
+__all__ = ["DecodeRow", "EngineClosedError", "HFRolloutEngine", "validate_request"]
 
 
 @dataclass(slots=True)
-class _Call:
-    """One ``generate()`` call: the loop and queue its samples are delivered to."""
-
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue[Trajectory | BaseException]
-    sequences: list[_Sequence] = field(default_factory=list)
-
-    def deliver(self, item: Trajectory | BaseException) -> None:
-        if not post_to_loop(self.loop, self.queue.put_nowait, item):  # nobody will read the rest
-            self.cancel()
-
-    def cancel(self) -> None:
-        for seq in self.sequences:
-            seq.cancelled = True
-
-
-@dataclass(slots=True)
-class _Sequence:
+class DecodeRow:
     """A request from submission to delivery; mutated only by the decode thread."""
 
     request: GenerationRequest
-    call: _Call
+    call: Call[DecodeRow]
     generator: torch.Generator
     response_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -105,7 +79,7 @@ class _Sequence:
 class _Batch:
     """In-flight rows and their KV cache; ``mask`` [rows, cache length] is 0 on left padding."""
 
-    rows: list[_Sequence]
+    rows: list[DecodeRow]
     cache: DynamicCache
     mask: torch.Tensor
 
@@ -186,7 +160,7 @@ def _merge(blocks: list[_Batch]) -> _Batch:
     return _Batch(rows, _with_kv(blocks[0].cache, kv), torch.cat(masks))
 
 
-class HFRolloutEngine(ClosesOnAThread):
+class HFRolloutEngine(ContinuousBatcher[GenerationRequest, DecodeRow, "_Batch | None"]):
     """Samples sequences from a transformers causal LM on one dedicated decode thread.
 
     Implements :class:`core.protocols.RolloutEngine`. Several concurrent ``generate()``
@@ -207,13 +181,8 @@ class HFRolloutEngine(ClosesOnAThread):
         load_mode: LoadMode = "swap",
         start_version: int = 0,
     ) -> None:
-        if max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
-        if num_threads < 1:
-            raise ValueError(f"num_threads must be >= 1, got {num_threads}")
+        super().__init__(max_batch_size=max_batch_size, num_threads=num_threads)
         self._device = torch.device(device)
-        self._max_batch_size = max_batch_size
-        self._num_threads = num_threads
         self._resume_policy = ResumePolicy(resume_policy)
 
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
@@ -231,13 +200,7 @@ class HFRolloutEngine(ClosesOnAThread):
         self._eos_ids: frozenset[int] = frozenset([] if eos is None else [eos] if isinstance(eos, int) else eos)
         self.target = ModuleTarget(self._model, load_mode=load_mode, version=start_version)
         self._serving = start_version  # decode thread only: the version its last step decoded with
-
-        # Shared with the decode thread, guarded by _cond.
-        self._cond = threading.Condition()
-        self._waiting: deque[_Sequence] = deque()
-        self._closing = False
-        self._thread = threading.Thread(target=self._run, name="hf-rollout", daemon=True)
-        self._thread.start()
+        self._start("hf-rollout")
 
     # ----------------------------------------------------------------------------- public API
 
@@ -251,83 +214,33 @@ class HFRolloutEngine(ClosesOnAThread):
         """The served model, for inspection and hooks; change weights only through ``target``."""
         return self._model
 
-    def generate(self, requests: Sequence[GenerationRequest]) -> AsyncIterator[Trajectory]:
-        """Queue every request now; the returned stream yields samples as they finish.
+    # ----------------------------------------------------------------------- the batching loop's hooks
 
-        Closing the stream early (``aclose()``, cancellation) drops its unfinished requests.
-        Must be called from a running event loop, which is where the samples are delivered.
-        """
-        for request in requests:
-            validate_request(request)
-        call = _Call(asyncio.get_running_loop(), asyncio.Queue())
-        call.sequences = [_Sequence(r, call, _request_generator(r)) for r in requests]
-        with self._cond:
-            if self._closing:
-                raise EngineClosedError("generate() on a closed engine")
-            self._waiting.extend(call.sequences)
-            self._cond.notify()
-        return self._stream(call)
+    def _validate(self, request: GenerationRequest) -> None:
+        validate_request(request)
 
-    def close(self) -> None:
-        """Stop the decode thread; unfinished requests fail with EngineClosedError. A weight
-        update holding the step gate (an aborted ``pause``-mode load) cannot keep it waiting."""
-        with self._cond:
-            self._closing = True
-            self._cond.notify()
-        self.target.gate.close()
-        self._thread.join()
+    def _new_row(self, request: GenerationRequest, call: Call[DecodeRow]) -> DecodeRow:
+        return DecodeRow(request, call, _request_generator(request))
 
+    def _empty(self) -> _Batch | None:
+        return None
 
-    # ----------------------------------------------------------------------- caller side
+    def _rows(self, batch: _Batch | None) -> list[DecodeRow]:
+        return batch.rows if batch is not None else []
 
-    async def _stream(self, call: _Call) -> AsyncIterator[Trajectory]:
-        try:
-            for _ in range(len(call.sequences)):
-                item = await call.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-        finally:
-            call.cancel()  # a no-op for finished sequences; frees the slots of the rest
+    def _advance(self, batch: _Batch | None, joining: list[DecodeRow]) -> _Batch | None:
+        if self.target.loaded_version != self._serving:  # an update committed since the last step
+            self._serving = self.target.loaded_version
+            batch = self._resume_in_flight(batch)
+        if batch is not None:
+            batch = _select(batch, [i for i, row in enumerate(batch.rows) if not row.cancelled])
+        if joining:
+            batch = self._admit(batch, joining)
+        if batch is not None:
+            batch = self._decode_step(batch)
+        return batch
 
-    # ----------------------------------------------------------------------- decode thread
-
-    def _run(self) -> None:
-        apply_thread_budget(self._num_threads)
-        batch: _Batch | None = None
-        joining: list[_Sequence] = []
-        while True:
-            with self._cond:
-                while not (self._closing or self._waiting or batch is not None):
-                    self._cond.wait()
-                if self._closing:
-                    break
-                joining = self._take_waiting(self._max_batch_size - (len(batch.rows) if batch else 0))
-            try:
-                with torch.no_grad(), self.target.decode_step():
-                    if self.target.loaded_version != self._serving:  # an update committed since the last step
-                        self._serving = self.target.loaded_version
-                        batch = self._resume_in_flight(batch)
-                    if batch is not None:
-                        batch = _select(batch, [i for i, row in enumerate(batch.rows) if not row.cancelled])
-                    if joining:
-                        batch = self._admit(batch, joining)
-                    if batch is not None:
-                        batch = self._decode_step(batch)
-                joining = []
-            except GateClosedError:  # closing while a weight update held the gate
-                break
-            except Exception as exc:  # a failed step fails the work it touched, not the engine
-                for seq in (batch.rows if batch else []) + joining:
-                    seq.call.deliver(exc)
-                batch, joining = None, []
-        closed = EngineClosedError("engine closed")
-        with self._cond:
-            leftovers, self._waiting = list(self._waiting), deque()
-        for seq in (batch.rows if batch else []) + joining + leftovers:
-            seq.call.deliver(closed)
-
-    def _take_waiting(self, free: int) -> list[_Sequence]:
+    def _take_waiting(self, free: int) -> list[DecodeRow]:
         """Waiting rows to join the batch now: none while a backlog could fill only a few free
         slots, so rows join in batches of at least a quarter of the width.
 
@@ -338,14 +251,14 @@ class HFRolloutEngine(ClosesOnAThread):
         """
         if self._waiting and len(self._waiting) > free and free < max(1, self._max_batch_size // 4):
             return []
-        taken: list[_Sequence] = []
+        taken: list[DecodeRow] = []
         while self._waiting and len(taken) < free:
             seq = self._waiting.popleft()
             if not seq.cancelled:
                 taken.append(seq)
         return taken
 
-    def _prefill(self, rows: list[_Sequence], token_lists: list[list[int]]) -> list[tuple[_Batch, torch.Tensor]]:
+    def _prefill(self, rows: list[DecodeRow], token_lists: list[list[int]]) -> list[tuple[_Batch, torch.Tensor]]:
         """Encode each row's tokens from scratch; rows of equal length share one padding-free forward.
 
         Returns one (batch, last-position logits) pair per length group.
@@ -362,7 +275,7 @@ class HFRolloutEngine(ClosesOnAThread):
             out.append((_Batch([rows[i] for i in idx], cache, mask), logits[:, -1]))
         return out
 
-    def _admit(self, batch: _Batch | None, joining: list[_Sequence]) -> _Batch | None:
+    def _admit(self, batch: _Batch | None, joining: list[DecodeRow]) -> _Batch | None:
         blocks = [] if batch is None else [batch]
         for block, logits in self._prefill(joining, [s.request.prompt_ids for s in joining]):
             kept = _select(block, self._append_tokens(block.rows, logits))
@@ -387,7 +300,7 @@ class HFRolloutEngine(ClosesOnAThread):
         batch.mask = mask
         return _select(batch, self._append_tokens(rows, logits))
 
-    def _append_tokens(self, rows: list[_Sequence], logits: torch.Tensor) -> list[int]:
+    def _append_tokens(self, rows: list[DecodeRow], logits: torch.Tensor) -> list[int]:
         """Sample one token per row, deliver the rows that finish, return the indices of the rest."""
         tokens, logprobs = self._sample(rows, logits)
         still_running = []
@@ -402,7 +315,7 @@ class HFRolloutEngine(ClosesOnAThread):
                 seq.call.deliver(self._to_trajectory(seq, reason))
         return still_running
 
-    def _sample(self, rows: list[_Sequence], logits: torch.Tensor) -> tuple[list[int], list[float]]:
+    def _sample(self, rows: list[DecodeRow], logits: torch.Tensor) -> tuple[list[int], list[float]]:
         """Inverse-CDF sampling over the top-k/top-p filtered, temperature-scaled distribution;
         returns each row's token and its log-prob under that (renormalised) distribution."""
         vocab = logits.shape[-1]
@@ -427,7 +340,7 @@ class HFRolloutEngine(ClosesOnAThread):
         logprob = sorted_lp.gather(1, index) - torch.where(keep.all(-1, keepdim=True), 0.0, kept.log())
         return order.gather(1, index).squeeze(1).tolist(), logprob.squeeze(1).tolist()
 
-    def _finish_reason(self, seq: _Sequence) -> FinishReason | None:
+    def _finish_reason(self, seq: DecodeRow) -> FinishReason | None:
         params = seq.request.params
         if seq.response_ids[-1] in self._eos_ids:
             return FinishReason.STOP
@@ -439,7 +352,7 @@ class HFRolloutEngine(ClosesOnAThread):
             return FinishReason.LENGTH
         return None
 
-    def _to_trajectory(self, seq: _Sequence, reason: FinishReason) -> Trajectory:
+    def _to_trajectory(self, seq: DecodeRow, reason: FinishReason) -> Trajectory:
         request = seq.request
         return token_trajectory(
             request.prompt_id, request.index, list(request.prompt_ids), seq.response_ids, seq.logprobs, seq.versions,
