@@ -54,7 +54,7 @@ from tandem.core.records import FinishReason, Trajectory
 from tandem.engines.server.auth import ApiKeys, auth_middleware, check_bind
 from tandem.engines.server.engine import Partial, Running, ServedEngine
 from tandem.engines.server.http import error_body, error_response, parse
-from tandem.engines.server.limits import Admission, BusyError, ServerLimits
+from tandem.engines.server.limits import Admission, BusyError, ServerLimits, busy_response
 from tandem.engines.server.options import ADMIN_KEY_ENV, API_KEY_ENV
 from tandem.engines.server.receive import WeightUpdates
 from tandem.engines.server.schemas import (
@@ -512,11 +512,6 @@ def _body(answer: GenerateResponse, *, finished: bool = True) -> dict[str, Any]:
         body["meta_info"]["finish_reason"] = None
     body["meta_info"].setdefault("finish_reason", None)
     return body
-
-
-def busy_response(exc: BusyError) -> web.Response:
-    """429 with ``Retry-After``: the caps are full now, the same request fits later."""
-    return error_response(429, str(exc), headers={"Retry-After": str(exc.retry_after_s)})
 
 
 def _sse(body: dict[str, Any]) -> bytes:

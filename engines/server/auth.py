@@ -17,7 +17,6 @@ probe it without credentials, and it says nothing but alive or not).
 from __future__ import annotations
 
 import hmac
-import ipaddress
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -25,9 +24,10 @@ import structlog
 from aiohttp import web
 from pydantic import SecretStr
 
+from tandem.core.config import is_loopback
 from tandem.engines.server.http import error_response
 
-__all__ = ["ADMIN_ROUTES", "OPEN_ROUTES", "ApiKeys", "auth_middleware", "bearer", "check_bind", "is_loopback"]
+__all__ = ["ADMIN_ROUTES", "OPEN_ROUTES", "ApiKeys", "auth_middleware", "bearer", "check_bind"]
 
 log = structlog.get_logger("tandem.serve")
 
@@ -97,16 +97,6 @@ def auth_middleware(keys: ApiKeys) -> Callable[[web.Request, Callable[[web.Reque
         return await handler(request)
 
     return check
-
-
-def is_loopback(host: str) -> bool:
-    """Whether binding ``host`` keeps the server on this machine (``localhost`` or a loopback address)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False  # a host name: it resolves to whatever the network says
 
 
 def check_bind(host: str, keys: ApiKeys, *, allow_unauthenticated: bool) -> None:

@@ -18,7 +18,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Admission", "BusyError", "ServerLimits"]
+from aiohttp import web
+
+from tandem.engines.server.http import error_response
+
+__all__ = ["Admission", "BusyError", "ServerLimits", "busy_response"]
 
 RETRY_AFTER_S = 1  # whole seconds (HTTP's Retry-After); the engine frees tokens at decode speed
 
@@ -76,3 +80,8 @@ class Admission:
         finally:
             self.requests -= requests
             self.tokens -= tokens
+
+
+def busy_response(exc: BusyError) -> web.Response:
+    """429 with ``Retry-After``: the caps are full now; the same request fits later."""
+    return error_response(429, str(exc), headers={"Retry-After": str(exc.retry_after_s)})

@@ -13,6 +13,7 @@ import aiohttp
 import pytest
 from tiny_lm import encode
 
+from tandem.engines.server.limits import ServerLimits
 from tandem.engines.server.schemas import (
     AbortReq,
     GenerateReqInput,
@@ -24,7 +25,6 @@ from tandem.engines.server.schemas import (
     UpdateWeightFromDiskReqInput,
     UpdateWeightsFromTensorReqInput,
 )
-from tandem.engines.server.limits import ServerLimits
 from tandem.engines.torch_train import TorchLogProbEngine
 from tests.unit.engines.test_server_support import served
 
