@@ -37,7 +37,7 @@ class ServerLimits:
     max_queued_tokens: int = 1 << 23
     weight_dirs: tuple[Path, ...] = ()  # empty: the model's own folder
     group_addresses: tuple[str, ...] = ("127.0.0.1", "localhost", "::1")
-    connect_timeout_s: float = 10.0
+    connect_timeout_s: float = 5.0  # torch's store retries a refused connect once: fails within about twice this
 
 
 class BusyError(Exception):

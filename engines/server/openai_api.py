@@ -122,7 +122,10 @@ class OpenAIEndpoints:
         if not getattr(tokenizer, "chat_template", None):
             return error_response(400, f"the model at {self.server.model_path} has no chat template; use /v1/completions")
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
-        rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
+        try:
+            rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
+        except Exception as exc:  # the template refuses this conversation (a role order it raises on, ...)
+            return error_response(400, f"messages: the model's chat template refused them: {type(exc).__name__}: {exc}")
         result, rid, gen = await self._generate(request, req, list(rendered["input_ids"]), default_max_tokens=None)
         if isinstance(result, web.Response):
             return result

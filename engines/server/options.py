@@ -45,6 +45,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "default: the model's own folder)")
     parser.add_argument("--weight-group-address", action="append", default=None,
                         help="an address /init_weights_update_group may rendezvous at (repeat; default: loopback)")
-    parser.add_argument("--connect-timeout-s", type=float, default=10.0,
-                        help="how long joining a weight group may wait for its rendezvous to answer")
+    parser.add_argument("--connect-timeout-s", type=float, default=5.0,
+                        help="how long joining a weight group waits for its rendezvous to answer (torch retries once)")
 

@@ -98,8 +98,7 @@ class WeightUpdates:
     """The server's receiving end of every weight path (see the module docstring)."""
 
     def __init__(self, receiver: Receiver, module: torch.nn.Module, *, timeout_s: float,
-                 weight_dirs: tuple[Path, ...] = (), group_addresses: tuple[str, ...] = (),
-                 connect_timeout_s: float = 10.0) -> None:
+                 weight_dirs: tuple[Path, ...], group_addresses: tuple[str, ...], connect_timeout_s: float) -> None:
         self.receiver = receiver
         self._module = module
         self._timeout_s = timeout_s
