@@ -24,6 +24,8 @@ from tandem.engines.server.http import error_response
 
 __all__ = ["Admission", "BusyError", "ServerLimits", "busy_response"]
 
+# torch's store retries a connect that times out once: an address where nothing listens fails in about twice this
+CONNECT_TIMEOUT_S = 5.0
 RETRY_AFTER_S = 1  # whole seconds (HTTP's Retry-After); the engine frees tokens at decode speed
 
 
@@ -37,7 +39,7 @@ class ServerLimits:
     max_queued_tokens: int = 1 << 23
     weight_dirs: tuple[Path, ...] = ()  # empty: the model's own folder
     group_addresses: tuple[str, ...] = ("127.0.0.1", "localhost", "::1")
-    connect_timeout_s: float = 5.0  # torch's store retries a refused connect once: fails within about twice this
+    connect_timeout_s: float = CONNECT_TIMEOUT_S
 
 
 class BusyError(Exception):

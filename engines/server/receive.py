@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from tandem.engines.server.dist_group import broadcast, destroy_weight_group, init_weight_group
+from tandem.engines.server.limits import CONNECT_TIMEOUT_S
 from tandem.engines.server.schemas import (
     InitWeightsUpdateGroupReqInput,
     UpdateWeightsFromDistributedReqInput,
@@ -98,7 +99,9 @@ class WeightUpdates:
     """The server's receiving end of every weight path (see the module docstring)."""
 
     def __init__(self, receiver: Receiver, module: torch.nn.Module, *, timeout_s: float,
-                 weight_dirs: tuple[Path, ...], group_addresses: tuple[str, ...], connect_timeout_s: float) -> None:
+                 weight_dirs: tuple[Path, ...] = (), group_addresses: tuple[str, ...] = (),
+                 connect_timeout_s: float = CONNECT_TIMEOUT_S) -> None:
+        """``weight_dirs`` and ``group_addresses`` empty: no disk update, no weight group allowed."""
         self.receiver = receiver
         self._module = module
         self._timeout_s = timeout_s
