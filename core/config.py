@@ -10,13 +10,15 @@ from __future__ import annotations
 import copy
 import difflib
 import importlib
+import ipaddress
 import math
+import os
 import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 
 from tandem.core.paths import resolve_config
 
@@ -409,6 +411,50 @@ class FakeEnginesConfig(_Model):
     engine, validation included), ``logp``, ``ref_logp``, ``reward``, ``train``, ``param_update``."""
 
 
+def is_loopback(host: str) -> bool:
+    """Whether binding ``host`` keeps a server on this machine (``localhost`` or a loopback
+    address; a host name resolves to whatever the network says, so it counts as exposed)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class SecretSource(_Model):
+    """Where a secret is read from when the run starts: an environment variable or a file (its
+    content, surrounding whitespace stripped). The config holds the reference, never the
+    secret: configs are written to the run folder, checkpoints and the tracker."""
+
+    env: str | None = None
+    """Name of the environment variable holding the secret."""
+    file: Path | None = None
+    """A file holding the secret (readable by the run's user only, ideally)."""
+
+    @model_validator(mode="after")
+    def _one(self) -> SecretSource:
+        if (self.env is None) == (self.file is None):
+            raise ValueError("give exactly one of env (a variable's name) or file (a path)")
+        return self
+
+    def read(self, field: str) -> SecretStr:
+        """The secret; :class:`ConfigError` naming ``field`` and the source (never the value)."""
+        if self.env is not None:
+            value = os.environ.get(self.env)
+            where = f"environment variable {self.env}"
+        else:
+            assert self.file is not None
+            try:
+                value = self.file.read_text()
+            except OSError as err:
+                raise ConfigError(f"{field}.file: cannot read {self.file}: {err.strerror}") from None
+            where = f"file {self.file}"
+        if value is None or not value.strip():
+            raise ConfigError(f"{field}: the {where} is {'unset' if value is None else 'empty'}")
+        return SecretStr(value.strip())
+
+
 class RolloutServersConfig(_Model):
     """Rollout servers (``engines.rollout: server | sglang``): generation in processes of its own,
     driven over sglang's HTTP API through one client and a router (``engines.server``)."""
@@ -448,6 +494,17 @@ class RolloutServersConfig(_Model):
     trajectory (``engines/server/agent.py``; ``tasks/arithmetic/openai_agent.py`` is one).
     ``rollout: server`` only: sglang's servers keep no such records. None: tandem samples one
     completion per request itself."""
+    api_key: SecretSource | None = None
+    """The key every server requires (``Authorization: Bearer``) on every route but ``/health``:
+    started servers are given it, and the router, the weight sync and the agents send it. From
+    an environment variable or a file, e.g. ``{env: TANDEM_API_KEY}``. None: servers are open
+    (fine on 127.0.0.1)."""
+    admin_key: SecretSource | None = None
+    """A second key for the routes that change weights or steer other requests (weight updates,
+    pause, continue, abort): the trainer holds it; agents get ``api_key`` only. ``rollout: server``
+    only. None: ``api_key`` opens them too."""
+    allow_unauthenticated: bool = False
+    """Start servers on a non-loopback ``host`` without ``api_key`` (refused otherwise)."""
 
     @model_validator(mode="after")
     def _consistent(self) -> RolloutServersConfig:
@@ -462,6 +519,9 @@ class RolloutServersConfig(_Model):
             raise ValueError(f"engines.servers.count={self.count} but {len(self.urls)} urls are given")
         if self.urls and self.max_restarts:
             raise ValueError("engines.servers.max_restarts restarts servers the run started: not with engines.servers.urls")
+        if not self.urls and not is_loopback(self.host) and self.api_key is None and not self.allow_unauthenticated:
+            raise ValueError(f"engines.servers.host={self.host} exposes the servers to other machines without a key: set "
+                             "engines.servers.api_key (e.g. {env: MY_KEY_VAR}), or engines.servers.allow_unauthenticated=true")
         if self.base_port is not None and self.base_port + self.servers - 1 > 65535:
             raise ValueError(f"engines.servers.base_port={self.base_port} leaves no port for {self.servers} servers")
         return self

@@ -92,6 +92,9 @@ class AgentRun:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     extra_body: dict[str, Any] = field(default_factory=dict)
     headers: dict[str, str] = field(default_factory=dict)
+    # openai's ``api_key``: the servers' API key where they require one (never the admin key);
+    # kept out of the repr, so an agent that logs its run does not log the key.
+    api_key: str = field(default="unused", repr=False)
 
 
 Agent = Callable[[AgentRun], Awaitable[object]]

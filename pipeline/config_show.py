@@ -2,8 +2,8 @@
 
 What a run will use, after the file, the overrides and every default: one ``key: value`` line per
 field, nested sections indented, and the first line of the field's docstring as a comment (the
-models keep their docs on their attributes, ``use_attribute_docstrings``). Secret values print
-masked. The output loads back as YAML (comments aside, it is the same config).
+models keep their docs on their attributes, ``use_attribute_docstrings``). Keys are never in a
+config (it names where to read them: ``engines.servers.api_key``), so none can print. The output loads back as YAML (comments aside, it is the same config).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, SecretStr
+from pydantic import BaseModel
 
 __all__ = ["render_config"]
 
@@ -46,8 +46,6 @@ def _scalar(value: Any) -> str:
 
 
 def _plain(value: Any) -> Any:
-    if isinstance(value, SecretStr):
-        return "**********" if value.get_secret_value() else ""
     if isinstance(value, BaseModel):
         return {name: _plain(getattr(value, name)) for name in type(value).model_fields}
     if isinstance(value, enum.Enum):

@@ -35,6 +35,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import structlog
+from pydantic import SecretStr
 
 from tandem.core.config import ConfigError, import_named
 from tandem.core.protocols import Agent, AgentRun, AgentSession, RolloutRequest, SamplingParams
@@ -106,9 +107,11 @@ class OpenAIAgentWorkflow:
     code that starts a bundle's router finds it the same way)."""
 
     def __init__(self, engine: ServerRolloutEngine, session: AgentSession, *, decode: Callable[[list[int]], str],
-                 sampling: SamplingParams | None = None) -> None:
+                 sampling: SamplingParams | None = None, api_key: SecretStr | None = None) -> None:
         self.engine = engine
         self._session = session
+        # the servers' API key for the agents' clients (openai's needs a value even without one)
+        self._api_key = api_key.get_secret_value() if api_key is not None else "unused"
         self._decode = decode
         self._sampling = sampling or SamplingParams()
         self._closing = asyncio.Event()
@@ -185,7 +188,7 @@ class OpenAIAgentWorkflow:
         run = AgentRun(
             base_url=endpoint.url + "/v1", conversation_id=conversation, item=request.group.item, seed=request.seed,
             evaluation=request.evaluation, sampling=self._sampling, extra_body={"conversation_id": conversation},
-            headers={CONVERSATION_HEADER: conversation},
+            headers={CONVERSATION_HEADER: conversation}, api_key=self._api_key,
         )
         try:
             await agent(run)

@@ -21,30 +21,41 @@ Invariants:
   reason ``abort``), or an error; a client that disconnects has its requests dropped;
 - weight updates run one at a time, on a worker thread (the loop keeps serving); a failed one
   leaves the old weights serving and answers ``success: false`` with the reason;
-- while paused (``/pause_generation``) new requests wait; ``/continue_generation`` releases them.
+- while paused (``/pause_generation``) new requests wait; ``/continue_generation`` releases them;
+- exposed safely (``engines.server.auth``, ``engines.server.limits``): with a key configured every
+  route but ``/health`` needs it; bodies, numbers, token ids, weight folders and group addresses
+  are checked before use and a bad one is a 4xx naming it; admitted work stays under the caps
+  (429 with ``Retry-After`` beyond them).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import signal
+import sys
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import structlog
 from aiohttp import web
+from pydantic import SecretStr
 
 from tandem.core.protocols import GenerationRequest
 from tandem.core.protocols import SamplingParams as EngineSampling
 from tandem.core.records import FinishReason, Trajectory
+from tandem.engines.server.auth import ApiKeys, auth_middleware, check_bind
 from tandem.engines.server.engine import Partial, Running, ServedEngine
 from tandem.engines.server.http import error_body, error_response, parse
+from tandem.engines.server.limits import Admission, BusyError, ServerLimits, busy_response
+from tandem.engines.server.options import ADMIN_KEY_ENV, API_KEY_ENV
 from tandem.engines.server.receive import WeightUpdates
 from tandem.engines.server.schemas import (
     AbortReq,
@@ -63,10 +74,11 @@ from tandem.engines.server.schemas import (
     UpdateWeightsFromTensorReqInput,
     header_from_json,
     manifest_from_json,
+    request_context,
 )
 from tandem.param_sync import LoadReport, Receiver
 
-__all__ = ["RolloutServer", "report_body", "run", "serve", "shm_transfer"]
+__all__ = ["RolloutServer", "keys_from", "limits_from", "report_body", "run", "serve", "shm_transfer"]
 
 log = structlog.get_logger("tandem.serve")
 _HEALTH_TIMEOUT_S = 20.0  # sglang's SGLANG_HEALTH_CHECK_TIMEOUT default
@@ -76,14 +88,21 @@ class RolloutServer:
     """The HTTP front of one engine. Build with :meth:`create` (loads the model), serve with
     :meth:`application`, stop with :meth:`close`."""
 
-    def __init__(self, engine: ServedEngine, *, model_path: str, name: str, consume_bucket_mb: float, dist_timeout_s: float):
+    def __init__(self, engine: ServedEngine, *, model_path: str, name: str, consume_bucket_mb: float, dist_timeout_s: float,
+                 keys: ApiKeys | None = None, limits: ServerLimits | None = None):
         self.engine = engine
         self.tokenizer = engine._tokenizer
         self.model_path = model_path
         self.name = name
+        self.keys = keys or ApiKeys()
+        self.limits = limits or ServerLimits()
         self.context = int(engine.model.config.max_position_embeddings)
+        self.request_context = request_context(int(engine.model.config.vocab_size), self.limits.max_top_logprobs)
+        self.admission = Admission(self.limits.max_running_requests, self.limits.max_queued_tokens)
         self.updates = WeightUpdates(
-            Receiver(engine.target, consume_bucket_mb=consume_bucket_mb, engine=name), engine.model, timeout_s=dist_timeout_s
+            Receiver(engine.target, consume_bucket_mb=consume_bucket_mb, engine=name), engine.model, timeout_s=dist_timeout_s,
+            weight_dirs=self.limits.weight_dirs or (Path(model_path),), group_addresses=self.limits.group_addresses,
+            connect_timeout_s=self.limits.connect_timeout_s,
         )
         self.running: dict[str, Running] = {}
         self._unpaused = asyncio.Event()
@@ -95,18 +114,19 @@ class RolloutServer:
     @classmethod
     def create(cls, model_path: str, *, name: str = "tandem", device: str = "cpu", dtype: Any = None,
                max_batch_size: int = 64, num_threads: int = 1, resume_policy: str = "recompute",
-               consume_bucket_mb: float = 64.0, dist_timeout_s: float = 600.0) -> RolloutServer:
+               consume_bucket_mb: float = 64.0, dist_timeout_s: float = 600.0, keys: ApiKeys | None = None,
+               limits: ServerLimits | None = None) -> RolloutServer:
         import torch
 
         engine = ServedEngine(model_path, device=device, dtype=dtype or torch.float32, max_batch_size=max_batch_size,
                               num_threads=num_threads, resume_policy=resume_policy, load_mode="swap")
         return cls(engine, model_path=model_path, name=name, consume_bucket_mb=consume_bucket_mb,
-                   dist_timeout_s=dist_timeout_s)
+                   dist_timeout_s=dist_timeout_s, keys=keys, limits=limits)
 
     def application(self) -> web.Application:
         from tandem.engines.server.openai_api import add_openai_routes
 
-        app = web.Application(client_max_size=1 << 30)
+        app = web.Application(client_max_size=self.limits.max_body_bytes, middlewares=[auth_middleware(self.keys)])
         r = app.router
         for method in ("POST", "PUT"):
             r.add_route(method, "/generate", self.generate)
@@ -139,6 +159,8 @@ class RolloutServer:
         self, prompt_ids: list[int], params: SamplingParams, seed: int | None, index: int = 0
     ) -> GenerationRequest:
         """sglang's sampling parameters as the engine's. Greedy (temperature 0) is top-k 1."""
+        if not prompt_ids:
+            raise ValueError("prompt: no tokens (an empty text or token list)")
         if params.stop_token_ids:
             raise ValueError("sampling_params.stop_token_ids: not supported by this server (it stops on the model's eos)")
         budget = self.context - len(prompt_ids)
@@ -155,6 +177,13 @@ class RolloutServer:
         if seed is None:
             seed = int(self._seeds.integers(1 << 31))
         return GenerationRequest(prompt_id=0, index=index, prompt_ids=list(prompt_ids), params=sampling, seed=seed)
+
+    def admitted(self, requests: list[GenerationRequest]) -> contextlib.AbstractContextManager[None]:
+        """Hold ``requests`` against the server's caps while the caller serves them: ValueError
+        (a 400) when they could never fit, :class:`BusyError` (a 429) when they do not fit now."""
+        tokens = sum(len(r.prompt_ids) + r.params.max_new_tokens for r in requests)
+        self.admission.check_fits(len(requests), tokens)
+        return self.admission.admitted(len(requests), tokens)
 
     async def start(self, rid: str, request: GenerationRequest, listener: Callable[[], None] | None = None) -> Running:
         await self._unpaused.wait()
@@ -210,7 +239,7 @@ class RolloutServer:
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         started = time.perf_counter()
-        req: GenerateReqInput = await parse(request, GenerateReqInput)
+        req: GenerateReqInput = await parse(request, GenerateReqInput, context=self.request_context)
         single = (req.input_ids is not None and isinstance(req.input_ids[0], int)) or isinstance(req.text, str)
         prompts: list[list[int]]
         if req.input_ids is not None:
@@ -224,19 +253,30 @@ class RolloutServer:
         if any(p.n != n for p in params_list):
             raise web.HTTPBadRequest(text=json.dumps(error_body("sampling_params.n must be the same for every prompt")),
                                      content_type="application/json")
-        rids = self._rids(req.rid, len(prompts) * n, single and n == 1)
         try:
+            # before any per-request object exists: a huge n is refused, not allocated
+            self.admission.check_fits(len(prompts) * n, 0)
+            rids = self._rids(req.rid, len(prompts) * n, single and n == 1)
             jobs = [
                 (rids[j * len(prompts) + i], self.engine_request(prompts[i], params_list[i], self._seed(params_list[i], j), j),
                  params_list[i], logprob_list[i])
                 for j in range(n) for i in range(len(prompts))
             ]
+            admitted = self.admitted([gen for _, gen, _, _ in jobs])
         except ValueError as exc:
             return error_response(400, str(exc))
-        if req.stream:
-            if len(jobs) != 1:
-                return error_response(400, "stream: only a single prompt with n = 1 can be streamed by this server")
-            return await self._stream(request, req, *jobs[0], started)
+        if req.stream and len(jobs) != 1:
+            return error_response(400, "stream: only a single prompt with n = 1 can be streamed by this server")
+        try:
+            with admitted:
+                if req.stream:
+                    return await self._stream(request, req, *jobs[0], started)
+                return await self._generate_all(req, jobs, single and n == 1, started)
+        except BusyError as exc:
+            return busy_response(exc)
+
+    async def _generate_all(self, req: GenerateReqInput, jobs: list[tuple[str, GenerationRequest, SamplingParams, bool]],
+                            single: bool, started: float) -> web.Response:
         runnings = [await self.start(rid, gen) for rid, gen, _, _ in jobs]
         try:
             results = await asyncio.gather(*(self.outcome(rid, run, req.conversation_id)
@@ -252,7 +292,7 @@ class RolloutServer:
                               started=started))
             for (rid, gen, params, lp), result in zip(jobs, results, strict=True)
         ]
-        return web.json_response(answers[0] if single and n == 1 else answers)
+        return web.json_response(answers[0] if single else answers)
 
     async def _stream(self, request: web.Request, req: GenerateReqInput, rid: str, gen: GenerationRequest,
                       params: SamplingParams, return_logprob: bool, started: float) -> web.StreamResponse:
@@ -394,6 +434,10 @@ class RolloutServer:
 
     async def update_weights_from_disk(self, request: web.Request) -> web.Response:
         req: UpdateWeightFromDiskReqInput = await parse(request, UpdateWeightFromDiskReqInput)
+        try:
+            self.updates.check_folder(req.model_path)
+        except PermissionError as exc:
+            return web.json_response(SuccessResponse(success=False, message=str(exc)).model_dump(exclude_none=True), status=403)
         return await self._update(req.abort_all_requests, lambda: self.updates.from_disk(req.model_path, req.weight_version))
 
     async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
@@ -404,6 +448,10 @@ class RolloutServer:
 
     async def init_weights_update_group(self, request: web.Request) -> web.Response:
         req: InitWeightsUpdateGroupReqInput = await parse(request, InitWeightsUpdateGroupReqInput)
+        try:
+            self.updates.check_address(req.master_address)
+        except PermissionError as exc:
+            return web.json_response({"success": False, "message": str(exc)}, status=403)
         async with self._weights:
             try:
                 await asyncio.to_thread(self.updates.init_group, req)
@@ -420,7 +468,8 @@ class RolloutServer:
         it arrives (the trainer is still gathering later buckets). Answers the load report."""
         async with self._weights:
             report = await shm_transfer(request.content, self.updates, self.name)
-        return web.json_response(LoadReportBody(**report_body(report)).model_dump())
+        # a failed transfer (a malformed or cut-short message, bytes that fail their checksum) is the request's fault
+        return web.json_response(LoadReportBody(**report_body(report)).model_dump(), status=200 if report.ok else 400)
 
 async def shm_transfer(lines: Any, updates: WeightUpdates, name: str) -> LoadReport:
     """Apply one shared-memory transfer whose NDJSON messages arrive on ``lines`` (an aiohttp
@@ -434,11 +483,11 @@ async def shm_transfer(lines: Any, updates: WeightUpdates, name: str) -> LoadRep
                 break
             message = ShmMessage.model_validate_json(line)
             if message.type == "begin":
-                assert message.segment is not None and message.manifest is not None
+                assert message.segment is not None and message.manifest is not None  # the schema requires them
                 await asyncio.to_thread(updates.shm_begin, message.segment, manifest_from_json(message.manifest))
                 begun = True
             elif message.type == "bucket":
-                assert message.header is not None
+                assert message.header is not None  # the schema requires it
                 await asyncio.to_thread(updates.shm_bucket, header_from_json(message.header))
             else:
                 return await asyncio.to_thread(updates.shm_finish, ok=message.type == "end", reason=message.reason)
@@ -501,10 +550,17 @@ def run(args: argparse.Namespace) -> int:
     """Run ``tandem serve`` with parsed ``args`` (``engines.server.options``) until SIGTERM or SIGINT."""
     import torch
 
+    try:  # before the model loads
+        keys = keys_from(args)
+        check_bind(args.host, keys, allow_unauthenticated=args.allow_unauthenticated)
+    except ValueError as err:
+        print(f"tandem serve: {err}", file=sys.stderr)
+        return 2
     server = RolloutServer.create(
         str(args.model_path), name=args.name, device=args.device, dtype=getattr(torch, args.dtype),
         max_batch_size=args.max_batch_size, num_threads=args.threads, resume_policy=args.resume_policy,
-        consume_bucket_mb=args.consume_bucket_mb, dist_timeout_s=args.weight_timeout_s,
+        consume_bucket_mb=args.consume_bucket_mb, dist_timeout_s=args.weight_timeout_s, keys=keys,
+        limits=limits_from(args),
     )
 
     def ready(port: int) -> None:
@@ -516,3 +572,24 @@ def run(args: argparse.Namespace) -> int:
     asyncio.run(serve(server, args.host, args.port, ready=ready))
     return 0
 
+
+def keys_from(args: argparse.Namespace) -> ApiKeys:
+    """The keys from the options, else from the environment; an empty key is refused (it would
+    look like protection and be none)."""
+    keys = {}
+    for option, env in (("api_key", API_KEY_ENV), ("admin_api_key", ADMIN_KEY_ENV)):
+        value = getattr(args, option) if getattr(args, option) is not None else os.environ.get(env)
+        if value is not None and not value.strip():
+            raise ValueError(f"--{option.replace('_', '-')} (or ${env}) is empty")
+        keys[option] = SecretStr(value) if value is not None else None
+    return ApiKeys(api_key=keys["api_key"], admin_key=keys["admin_api_key"])
+
+
+def limits_from(args: argparse.Namespace) -> ServerLimits:
+    default = ServerLimits()
+    return ServerLimits(
+        max_body_bytes=int(args.max_body_mb * (1 << 20)), max_top_logprobs=args.max_top_logprobs,
+        max_running_requests=args.max_running_requests, max_queued_tokens=args.max_queued_tokens,
+        weight_dirs=tuple(args.weight_dir or ()), group_addresses=tuple(args.weight_group_address or default.group_addresses),
+        connect_timeout_s=args.connect_timeout_s,
+    )

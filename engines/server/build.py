@@ -7,6 +7,11 @@ this process, and the weight sync from the trainer's dual buffer into the server
 configured transport. Everything else (data, tokenization, reward, checkpoints) is the
 embedded bundle's, so the flow sees no difference.
 
+Keys (``engines.servers.api_key`` / ``admin_key``) are read here, once, from where the config
+points (an environment variable or a file): started servers get them in their environment (not
+their command line, which the process list and the launch log show), the router, the weight
+transports and the agents send them; none of them is ever logged.
+
 Invariants: nothing here waits for a server (the first call that needs them does, in the
 flow's loop); an agent's session exits first (the async close, in the flow's loop), then the
 close callbacks stop the sync, the router, the servers this run started and the trainer, on
@@ -26,17 +31,19 @@ from typing import Any
 import aiohttp
 
 from tandem.core.components import Components, TaskSetup
-from tandem.core.config import TandemConfig, TorchEnginesConfig
+from tandem.core.config import ConfigError, RolloutServersConfig, TandemConfig, TorchEnginesConfig
 from tandem.core.protocols import RolloutWorkflow
 from tandem.engines.server.agent import OpenAIAgentWorkflow, load_agent
+from tandem.engines.server.auth import ApiKeys
 from tandem.engines.server.client import ServerClient
 from tandem.engines.server.launcher import ServerFleet, ServerSpec, sglang_command, tandem_command
+from tandem.engines.server.options import ADMIN_KEY_ENV, API_KEY_ENV
 from tandem.engines.server.router import ServerRolloutEngine
 from tandem.engines.server.weights import DiskTransport, HttpDistTransport, HttpShmTransport, ServerWeightSync, free_port
 from tandem.engines.shared.weight_sync import TorchWeightSync, TrainerSyncSource
 from tandem.param_sync import ParamSyncer, Transport
 
-__all__ = ["ServerKind", "build_server_components", "server_fleet"]
+__all__ = ["ServerKind", "build_server_components", "server_fleet", "server_keys"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,31 +57,63 @@ class ServerKind:
     client: Callable[[str, aiohttp.ClientSession], ServerClient] | None = None  # None: sglang's API
     transport: Callable[[ServerRolloutEngine], Transport] | None = None  # None: engines.servers.weight_transport's
     wrap_sync: Callable[[TorchWeightSync], Any] = lambda sync: sync  # the flow's sync around the trainer's
+    key_env: Callable[[ApiKeys], dict[str, str]] | None = None  # the environment that gives a started server its key
+
+
+def server_keys(servers: RolloutServersConfig) -> ApiKeys:
+    """The keys the config points to, read now (:class:`ConfigError` naming the field if absent)."""
+    return ApiKeys(
+        api_key=servers.api_key.read("engines.servers.api_key") if servers.api_key is not None else None,
+        admin_key=servers.admin_key.read("engines.servers.admin_key") if servers.admin_key is not None else None,
+    )
+
+
+def tandem_key_env(keys: ApiKeys) -> dict[str, str]:
+    """``tandem serve`` reads its keys from these variables when no option gives them."""
+    env = {}
+    if keys.api_key is not None:
+        env[API_KEY_ENV] = keys.api_key.get_secret_value()
+    if keys.admin_key is not None:
+        env[ADMIN_KEY_ENV] = keys.admin_key.get_secret_value()
+    return env
 
 
 def server_fleet(
-    config: TandemConfig, model_path: str, threads: int, run_dir: Path, kind: ServerKind | None = None
+    config: TandemConfig, model_path: str, threads: int, run_dir: Path, kind: ServerKind | None = None,
+    keys: ApiKeys | None = None, weights_dir: Path | None = None,
 ) -> ServerFleet:
-    """The server processes ``config`` asks the run to start (not yet started)."""
+    """The server processes ``config`` asks the run to start (not yet started), given ``keys``;
+    ``weights_dir``: the folder the disk transport writes (the only one they may load from)."""
     spec = config.engines
     assert isinstance(spec, TorchEnginesConfig)
     servers = spec.servers
+    keys = keys or ApiKeys()
+    if keys.admin_key is not None and (kind is not None or spec.rollout != "server"):
+        raise ConfigError(f"engines.servers.admin_key: only tandem's servers (rollout: server) take a separate admin key, "
+                          f"not {spec.rollout}'s; give api_key alone")
     specs = []
     for i in range(servers.servers):
         port = servers.base_port + i if servers.base_port is not None else free_port(servers.host)
         name = f"{spec.rollout}{i}"
         if kind is not None:
             command, env = kind.command(model_path, servers.host, port, name, threads)
+            if keys.any:
+                if kind.key_env is None:
+                    raise ConfigError(f"engines.servers.api_key: {spec.rollout}'s servers take no key")
+                env = {**env, **kind.key_env(keys)}
         elif spec.rollout == "sglang":
-            command = sglang_command(model_path, servers.host, port, dtype=spec.dtype)
+            command = sglang_command(model_path, servers.host, port, dtype=spec.dtype, api_key=keys.api_key)
             env = {"CUDA_VISIBLE_DEVICES": str(i)} if spec.device.startswith("cuda") else {}
         else:
             command = tandem_command(
                 model_path, servers.host, port, name=name, threads=threads, max_batch_size=spec.max_batch_size,
                 resume_policy=spec.resume_policy, dtype=spec.dtype, device=spec.device,
                 consume_bucket_mb=config.param_sync.consume_bucket_mb,
+                weight_dirs=[weights_dir] if servers.weight_transport == "disk" and weights_dir is not None else [],
+                group_addresses=[servers.trainer_address] if servers.weight_transport == "dist" else [],
+                allow_unauthenticated=servers.allow_unauthenticated,
             )
-            env = {}
+            env = tandem_key_env(keys)
         specs.append(ServerSpec(name, command, f"http://{servers.host}:{port}", run_dir / f"{name}.log", env))
     return ServerFleet(specs, startup_timeout_s=servers.startup_timeout_s, max_restarts=servers.max_restarts)
 
@@ -107,12 +146,15 @@ def build_server_components(config: TandemConfig, setup: TaskSetup, kind: Server
     def decode(ids: list[int]) -> str:
         return tokenizer.decode(ids, skip_special_tokens=True)
 
+    keys = server_keys(servers)  # before anything starts: a missing key fails fast
     gen_threads, train_threads = thread_budgets(config)
     scratch = Path(tempfile.mkdtemp(prefix="tandem-servers-"))
+    weights_dir = servers.weights_dir or scratch / "weights"
     fleet: ServerFleet | None = None
     try:  # a failure anywhere below stops every server already spawned and removes the scratch folder
         if not servers.urls:
-            fleet = server_fleet(config, model_path, gen_threads, config.run.output_dir / config.run.name / "servers", kind)
+            fleet = server_fleet(config, model_path, gen_threads, config.run.output_dir / config.run.name / "servers", kind,
+                                 keys, weights_dir)
             fleet.launch()
         router = ServerRolloutEngine(
             servers.urls or fleet.urls,  # type: ignore[union-attr]
@@ -120,23 +162,22 @@ def build_server_components(config: TandemConfig, setup: TaskSetup, kind: Server
             live_updates=kind.live_updates if kind is not None else spec.rollout == "server",
             request_timeout_s=servers.request_timeout_s, health_interval_s=servers.health_interval_s,
             wait_for_server_s=servers.startup_timeout_s, ready=fleet.ready if fleet is not None else None,
-            client=kind.client if kind is not None else None,
+            client=kind.client if kind is not None else None, keys=keys,
         )
         engine = train_engine(config, train_threads)
         transport: Transport
         if kind is not None and kind.transport is not None:
             transport = kind.transport(router)
         elif servers.weight_transport == "shm":
-            transport = HttpShmTransport(router.receivers, timeout_s=servers.request_timeout_s)
+            transport = HttpShmTransport(router.receivers, timeout_s=servers.request_timeout_s, keys=keys)
         elif servers.weight_transport == "dist":
             backend = "nccl" if spec.device.startswith("cuda") else "gloo"
             transport = HttpDistTransport(
                 router.receivers, master_address=servers.trainer_address, backend=backend,
-                checksums=spec.rollout == "server", timeout_s=servers.request_timeout_s,
+                checksums=spec.rollout == "server", timeout_s=servers.request_timeout_s, keys=keys,
             )
         else:
-            transport = DiskTransport(router.receivers, servers.weights_dir or scratch / "weights",
-                                      timeout_s=servers.request_timeout_s)
+            transport = DiskTransport(router.receivers, weights_dir, timeout_s=servers.request_timeout_s, keys=keys)
         source = TrainerSyncSource(engine)
         ps = config.param_sync
         inner = TorchWeightSync(source, ParamSyncer(source, transport, produce_bucket_mb=ps.produce_bucket_mb))
@@ -154,7 +195,7 @@ def build_server_components(config: TandemConfig, setup: TaskSetup, kind: Server
     workflow: RolloutWorkflow
     aclosers: list[Callable[[], Awaitable[None]]] = []
     if agent is not None:  # imported above: a bad path fails before any server starts
-        workflow = OpenAIAgentWorkflow(router, agent, decode=decode, sampling=sampling_params(config))
+        workflow = OpenAIAgentWorkflow(router, agent, decode=decode, sampling=sampling_params(config), api_key=keys.api_key)
         aclosers.append(workflow.aclose)  # the agent's session exits while the servers still run
     else:
         workflow = SingleTurnWorkflow(router, sampling_params(config))

@@ -6,8 +6,12 @@ pool), each answer parsed into the pydantic model of sglang's schema. The same c
 ``tandem serve`` and a real sglang server.
 
 Errors: :class:`ServerGoneError` when the server cannot be reached or drops the connection (the
-router takes it out of service); :class:`ServerError` when it answers with an error (the
-request was wrong, or the server refused it), carrying the server's message.
+router takes it out of service); :class:`ServerBusyError` when it is at its caps (HTTP 429: the
+router waits ``Retry-After`` and sends the request again); :class:`ServerError` when it answers
+with another error (the request was wrong, or the server refused it), carrying the server's message.
+
+Every call carries the key its route needs (``engines.server.auth``): the admin key on the
+weight and control routes when there is one, the API key on the others.
 """
 
 from __future__ import annotations
@@ -18,9 +22,10 @@ from typing import Any
 
 import aiohttp
 
+from tandem.engines.server.auth import ApiKeys, bearer
 from tandem.engines.server.schemas import ConversationRecord, GenerateResponse, ModelInfo, SuccessResponse
 
-__all__ = ["ServerClient", "ServerError", "ServerGoneError"]
+__all__ = ["ServerBusyError", "ServerClient", "ServerError", "ServerGoneError"]
 
 _GONE = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, ConnectionError)
 
@@ -31,6 +36,22 @@ class ServerError(RuntimeError):
     def __init__(self, url: str, status: int, message: str) -> None:
         super().__init__(f"{url}: HTTP {status}: {message}")
         self.status = status
+
+
+class ServerBusyError(ServerError):
+    """The server is at its caps (HTTP 429); the same request may be sent after ``retry_after_s``."""
+
+    def __init__(self, url: str, message: str, retry_after_s: float) -> None:
+        super().__init__(url, 429, message)
+        self.retry_after_s = retry_after_s
+
+
+def _retry_after(value: str | None) -> float:
+    """``Retry-After`` in seconds (an HTTP date, or none, counts as one second)."""
+    try:
+        return max(0.0, float(value)) if value is not None else 1.0
+    except ValueError:
+        return 1.0
 
 
 class ServerGoneError(ConnectionError):
@@ -50,20 +71,25 @@ def _message(text: str) -> str:
 class ServerClient:
     """sglang's API at ``url`` (``http://host:port``), through ``session``."""
 
-    def __init__(self, url: str, session: aiohttp.ClientSession, *, request_timeout_s: float) -> None:
+    def __init__(self, url: str, session: aiohttp.ClientSession, *, request_timeout_s: float,
+                 keys: ApiKeys | None = None) -> None:
         self.url = url.rstrip("/")
         self._session = session
+        self._keys = keys or ApiKeys()
         self._timeout = aiohttp.ClientTimeout(total=request_timeout_s)
 
     async def _call(self, method: str, path: str, body: Any = None, *, timeout: aiohttp.ClientTimeout | None = None,
                     ok_statuses: tuple[int, ...] = (200,)) -> tuple[int, str]:
         try:
-            async with self._session.request(method, self.url + path, json=body, timeout=timeout or self._timeout) as resp:
+            async with self._session.request(method, self.url + path, json=body, timeout=timeout or self._timeout,
+                                             headers=bearer(self._keys.for_client(path))) as resp:
                 text = await resp.text()
         except _GONE as exc:
             raise ServerGoneError(f"{self.url}{path}: {type(exc).__name__}: {exc}") from exc
         except TimeoutError as exc:
             raise ServerGoneError(f"{self.url}{path}: no answer within {(timeout or self._timeout).total:g} s") from exc
+        if resp.status == 429:
+            raise ServerBusyError(self.url, _message(text), _retry_after(resp.headers.get("Retry-After")))
         if resp.status not in ok_statuses:
             raise ServerError(self.url, resp.status, _message(text))
         return resp.status, text
@@ -79,7 +105,10 @@ class ServerClient:
         """``/generate`` with ``stream: true``: each server-sent event as it arrives, the last
         one carrying the finish reason."""
         try:
-            async with self._session.post(self.url + "/generate", json={**body, "stream": True}, timeout=self._timeout) as resp:
+            async with self._session.post(self.url + "/generate", json={**body, "stream": True}, timeout=self._timeout,
+                                          headers=bearer(self._keys.for_client("/generate"))) as resp:
+                if resp.status == 429:
+                    raise ServerBusyError(self.url, _message(await resp.text()), _retry_after(resp.headers.get("Retry-After")))
                 if resp.status != 200:
                     raise ServerError(self.url, resp.status, _message(await resp.text()))
                 async for raw in resp.content:

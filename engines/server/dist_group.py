@@ -23,11 +23,15 @@ __all__ = ["broadcast", "destroy_weight_group", "init_weight_group"]
 
 
 def init_weight_group(
-    backend: str, master_address: str, master_port: int, rank: int, world_size: int, group_name: str, timeout_s: float
+    backend: str, master_address: str, master_port: int, rank: int, world_size: int, group_name: str, timeout_s: float,
+    *, connect_timeout_s: float | None = None,
 ) -> dist.ProcessGroup:
-    """Join group ``group_name``; returns once all ``world_size`` members have joined."""
+    """Join group ``group_name``; returns once all ``world_size`` members have joined. A member
+    (rank > 0) gives the rendezvous ``connect_timeout_s`` (default ``timeout_s``) to answer;
+    rank 0 hosts it and waits ``timeout_s`` for the others."""
     timeout = timedelta(seconds=timeout_s)
-    store, rank, world_size = next(rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size, timeout=timeout))
+    connect = timedelta(seconds=connect_timeout_s if connect_timeout_s is not None and rank > 0 else timeout_s)
+    store, rank, world_size = next(rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size, timeout=connect))
     store.set_timeout(timeout)
     group, _ = _new_process_group_helper(
         world_size, rank, [], Backend(backend), PrefixStore(group_name, store), group_name=group_name, timeout=timeout

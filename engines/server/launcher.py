@@ -28,12 +28,13 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
 import structlog
+from pydantic import SecretStr
 
 from tandem.core.threadsafe import post_to_loop
 
@@ -41,6 +42,7 @@ __all__ = ["ServerFleet", "ServerLaunchError", "ServerSpec", "sglang_command", "
 
 log = structlog.get_logger("tandem.launcher")
 _PR_SET_PDEATHSIG = 1
+_SECRET_OPTIONS = frozenset({"--api-key", "--admin-api-key"})
 
 
 class ServerLaunchError(RuntimeError):
@@ -48,18 +50,38 @@ class ServerLaunchError(RuntimeError):
 
 
 def tandem_command(model_path: str, host: str, port: int, *, name: str, threads: int, max_batch_size: int,
-                   resume_policy: str, dtype: str, device: str, consume_bucket_mb: float) -> list[str]:
-    return [
+                   resume_policy: str, dtype: str, device: str, consume_bucket_mb: float,
+                   weight_dirs: Sequence[Path] = (), group_addresses: Sequence[str] = (),
+                   allow_unauthenticated: bool = False) -> list[str]:
+    """``tandem serve``'s command line. Keys are not on it (the environment gives them: see
+    ``engines.server.build``); ``weight_dirs`` and ``group_addresses`` empty: its defaults."""
+    command = [
         sys.executable, "-m", "tandem.pipeline.cli", "serve", "--model-path", model_path, "--host", host, "--port", str(port),
         "--name", name, "--threads", str(threads), "--max-batch-size", str(max_batch_size),
         "--resume-policy", resume_policy, "--dtype", dtype, "--device", device, "--consume-bucket-mb", f"{consume_bucket_mb:g}",
     ]
+    for folder in weight_dirs:
+        command += ["--weight-dir", str(folder)]
+    for address in group_addresses:
+        command += ["--weight-group-address", address]
+    if allow_unauthenticated:
+        command.append("--allow-unauthenticated")
+    return command
 
 
-def sglang_command(model_path: str, host: str, port: int, *, dtype: str) -> list[str]:
-    """sglang's own launcher with the flags it documents; the GPU comes from CUDA_VISIBLE_DEVICES."""
-    return [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path, "--host", host, "--port", str(port),
-            "--dtype", dtype]
+def sglang_command(model_path: str, host: str, port: int, *, dtype: str, api_key: SecretStr | None = None) -> list[str]:
+    """sglang's own launcher with the flags it documents; the GPU comes from CUDA_VISIBLE_DEVICES.
+    sglang reads its key from the command line only (the launch log shows it redacted)."""
+    command = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path, "--host", host, "--port", str(port),
+               "--dtype", dtype]
+    if api_key is not None:
+        command += ["--api-key", api_key.get_secret_value()]
+    return command
+
+
+def redacted(command: list[str]) -> str:
+    """``command`` for a log line: the value after a key option shown as ``***``."""
+    return " ".join("***" if i > 0 and command[i - 1] in _SECRET_OPTIONS else arg for i, arg in enumerate(command))
 
 
 @dataclass(slots=True)
@@ -154,7 +176,7 @@ class ServerFleet:
                 spec.command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 env={**os.environ, **spec.env}, start_new_session=True, preexec_fn=_die_with_parent,
             )
-        log.info("rollout server started", server=spec.name, pid=proc.popen.pid, command=" ".join(spec.command))
+        log.info("rollout server started", server=spec.name, pid=proc.popen.pid, command=redacted(spec.command))
 
     def _watch(self, proc: _Process) -> None:
         """A thread waits for the process to exit and tells the loop (no polling)."""

@@ -30,6 +30,7 @@ from tandem.core.protocols import GenerationRequest
 from tandem.core.records import Trajectory
 from tandem.engines.server.engine import Partial
 from tandem.engines.server.http import error_response, parse
+from tandem.engines.server.limits import BusyError, busy_response
 from tandem.engines.server.schemas import ChatCompletionRequest, CompletionRequest, ConversationRecord, SamplingParams
 
 if TYPE_CHECKING:
@@ -95,7 +96,7 @@ class OpenAIEndpoints:
         return web.json_response([r.model_dump(mode="json") for r in records])
 
     async def completions(self, request: web.Request) -> web.Response:
-        req: CompletionRequest = await parse(request, CompletionRequest)
+        req: CompletionRequest = await parse(request, CompletionRequest, context=self.server.request_context)
         prompt_ids = req.prompt if isinstance(req.prompt, list) else list(self.server.tokenizer(req.prompt)["input_ids"])
         result, rid, gen = await self._generate(request, req, prompt_ids, default_max_tokens=16)
         if isinstance(result, web.Response):
@@ -116,12 +117,15 @@ class OpenAIEndpoints:
         })
 
     async def chat(self, request: web.Request) -> web.Response:
-        req: ChatCompletionRequest = await parse(request, ChatCompletionRequest)
+        req: ChatCompletionRequest = await parse(request, ChatCompletionRequest, context=self.server.request_context)
         tokenizer = self.server.tokenizer
         if not getattr(tokenizer, "chat_template", None):
             return error_response(400, f"the model at {self.server.model_path} has no chat template; use /v1/completions")
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
-        rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
+        try:
+            rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
+        except Exception as exc:  # the template refuses this conversation (a role order it raises on, ...)
+            return error_response(400, f"messages: the model's chat template refused them: {type(exc).__name__}: {exc}")
         result, rid, gen = await self._generate(request, req, list(rendered["input_ids"]), default_max_tokens=None)
         if isinstance(result, web.Response):
             return result
@@ -143,6 +147,7 @@ class OpenAIEndpoints:
                         *, default_max_tokens: int | None) -> tuple[Any, str, GenerationRequest]:
         server = self.server
         max_new = req.max_completion_tokens or req.max_tokens or default_max_tokens
+        # the request's numbers were checked when it was parsed: these are in range
         params = SamplingParams(
             max_new_tokens=max_new, temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p, top_k=-1 if req.top_k is None else req.top_k,
@@ -151,12 +156,16 @@ class OpenAIEndpoints:
         rid = uuid.uuid4().hex
         try:
             gen = server.engine_request(prompt_ids, params, params.sampling_seed)
+            admitted = server.admitted([gen])
         except ValueError as exc:
             return error_response(400, str(exc)), rid, None  # type: ignore[return-value]
         conversation_id = req.conversation_id or request.headers.get(CONVERSATION_HEADER)
-        running = await server.start(rid, gen)
         try:
-            result = await server.outcome(rid, running, conversation_id)
+            with admitted:
+                running = await server.start(rid, gen)
+                result = await server.outcome(rid, running, conversation_id)
+        except BusyError as exc:
+            return busy_response(exc), rid, gen
         except Exception as exc:
             return error_response(500, f"{type(exc).__name__}: {exc}"), rid, gen
         return result, rid, gen

@@ -5,7 +5,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-__all__ = ["add_arguments"]
+__all__ = ["ADMIN_KEY_ENV", "API_KEY_ENV", "add_arguments"]
+
+API_KEY_ENV = "TANDEM_API_KEY"  # as vLLM reads VLLM_API_KEY
+ADMIN_KEY_ENV = "TANDEM_ADMIN_API_KEY"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -23,3 +26,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--consume-bucket-mb", type=float, default=64.0, help="pieces weights are loaded in (MiB)")
     parser.add_argument("--weight-timeout-s", type=float, default=600.0, help="distributed weight-group timeout")
     parser.add_argument("--port-file", type=Path, default=None, help="write the bound port here once serving")
+    parser.add_argument("--api-key", default=None,
+                        help=f"require 'Authorization: Bearer <key>' on every route but /health (default: ${API_KEY_ENV}; "
+                             "the variable keeps the key out of the process list)")
+    parser.add_argument("--admin-api-key", default=None,
+                        help=f"a separate key for the routes that change weights or steer others' requests "
+                             f"(weight updates, pause, continue, abort, flush) (default: ${ADMIN_KEY_ENV})")
+    parser.add_argument("--allow-unauthenticated", action="store_true",
+                        help="serve a non-loopback --host without --api-key (refused otherwise)")
+    parser.add_argument("--max-body-mb", type=float, default=64.0, help="largest request body (MiB); larger ones get 413")
+    parser.add_argument("--max-top-logprobs", type=int, default=20, help="most top log-probs one OpenAI request may ask for")
+    parser.add_argument("--max-running-requests", type=int, default=4096,
+                        help="generation requests held at once (queued, paused or running); more get 429")
+    parser.add_argument("--max-queued-tokens", type=int, default=1 << 23,
+                        help="prompt plus max_new_tokens of every request held at once; more get 429")
+    parser.add_argument("--weight-dir", type=Path, action="append", default=None,
+                        help="a folder /update_weights_from_disk may load from, with what is under it (repeat; "
+                             "default: the model's own folder)")
+    parser.add_argument("--weight-group-address", action="append", default=None,
+                        help="an address /init_weights_update_group may rendezvous at (repeat; default: loopback)")
+    parser.add_argument("--connect-timeout-s", type=float, default=5.0,
+                        help="how long joining a weight group waits for its rendezvous to answer (torch retries once)")
+

@@ -19,8 +19,11 @@ worker thread under one lock, so transfers never interleave.
   (``engines.server.weights.DiskTransport``) its metadata holds the layout and the checksums,
   otherwise they are computed here (integrity of the file is then the filesystem's).
 
-Invariant: a failed update of any kind leaves the previous weights serving, and the answer
-says why (a :class:`~param_sync.LoadReport`).
+Invariants: a failed update of any kind leaves the previous weights serving, and the answer
+says why (a :class:`~param_sync.LoadReport`); weights are read from disk only under the folders
+the server was started with (symbolic links and ``..`` resolved first), and a weight group is
+joined only at the addresses it was started with, its rendezvous given ``connect_timeout_s`` to
+answer (a wrong address fails in seconds, not after the weight timeout).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from tandem.engines.server.dist_group import broadcast, destroy_weight_group, init_weight_group
+from tandem.engines.server.limits import CONNECT_TIMEOUT_S
 from tandem.engines.server.schemas import (
     InitWeightsUpdateGroupReqInput,
     UpdateWeightsFromDistributedReqInput,
@@ -94,10 +98,16 @@ def stream_headers(manifest: Manifest, stream: np.ndarray, checksums: list[int] 
 class WeightUpdates:
     """The server's receiving end of every weight path (see the module docstring)."""
 
-    def __init__(self, receiver: Receiver, module: torch.nn.Module, *, timeout_s: float) -> None:
+    def __init__(self, receiver: Receiver, module: torch.nn.Module, *, timeout_s: float,
+                 weight_dirs: tuple[Path, ...] = (), group_addresses: tuple[str, ...] = (),
+                 connect_timeout_s: float = CONNECT_TIMEOUT_S) -> None:
+        """``weight_dirs`` and ``group_addresses`` empty: no disk update, no weight group allowed."""
         self.receiver = receiver
         self._module = module
         self._timeout_s = timeout_s
+        self._weight_dirs = tuple(Path(d).resolve() for d in weight_dirs)
+        self._group_addresses = frozenset(group_addresses)
+        self._connect_timeout_s = connect_timeout_s
         self._segments: OrderedDict[str, mmap.mmap] = OrderedDict()
         self._groups: dict[str, dist.ProcessGroup] = {}
         self._staging = np.empty(0, np.uint8)
@@ -146,13 +156,24 @@ class WeightUpdates:
 
     # ------------------------------------------------------------------ distributed group
 
+    def check_address(self, address: str) -> None:
+        """PermissionError naming ``master_address`` unless the server may rendezvous there."""
+        if address not in self._group_addresses:
+            raise PermissionError(f"master_address: {address!r} is not an address this server joins weight groups at "
+                                  f"(--weight-group-address: {sorted(self._group_addresses)})")
+
     def init_group(self, req: InitWeightsUpdateGroupReqInput) -> None:
+        self.check_address(req.master_address)
         if req.group_name in self._groups:
             destroy_weight_group(self._groups.pop(req.group_name))
-        self._groups[req.group_name] = init_weight_group(
-            req.backend, req.master_address, req.master_port, req.rank_offset, req.world_size, req.group_name,
-            self._timeout_s,
-        )
+        try:
+            self._groups[req.group_name] = init_weight_group(
+                req.backend, req.master_address, req.master_port, req.rank_offset, req.world_size, req.group_name,
+                self._timeout_s, connect_timeout_s=self._connect_timeout_s,
+            )
+        except (RuntimeError, OSError) as exc:  # torch's DistNetworkError/DistStoreError are RuntimeErrors
+            raise ConnectionError(f"master_address: no weight-group rendezvous at {req.master_address}:{req.master_port} "
+                                  f"within {self._connect_timeout_s:g} s ({type(exc).__name__}: {exc})") from exc
 
     def from_distributed(self, req: UpdateWeightsFromDistributedReqInput) -> LoadReport:
         group = self._groups.get(req.group_name)
@@ -180,10 +201,18 @@ class WeightUpdates:
 
     # ---------------------------------------------------------------------------- disk
 
+    def check_folder(self, model_path: str) -> Path:
+        """``model_path`` resolved; PermissionError naming it unless it lies under an allowed folder."""
+        path = Path(model_path).resolve()
+        if not any(path == d or path.is_relative_to(d) for d in self._weight_dirs):
+            raise PermissionError(f"model_path: {model_path!r} is outside the folders this server loads weights from "
+                                  f"(--weight-dir: {[str(d) for d in self._weight_dirs]})")
+        return path
+
     def from_disk(self, model_path: str, weight_version: str | None) -> LoadReport:
         from safetensors import safe_open
 
-        path = Path(model_path)
+        path = self.check_folder(model_path)
         files = [path] if path.is_file() else sorted(path.glob("*.safetensors"))
         if not files:
             raise FileNotFoundError(f"no safetensors file at {model_path}")

@@ -7,6 +7,8 @@ version every server serves (what the weight syncs reported).
 - Routing: a call's requests are grouped by prompt; each group goes whole to the server with
   the fewest outstanding requests (a group's samples share a prompt, so they share one
   server's prefix), its requests sent one by one so they batch continuously there.
+- Back-pressure: a server at its caps answers 429; the request waits the ``Retry-After`` it
+  names and goes again to the same server (still in service: busy is not gone).
 - Health: every ``health_interval_s`` each server's ``/health`` and the weight version it
   reports (``/get_model_info``). A server that fails, or drops a request's connection, is taken
   out of service; each request it held is sent once more, to a server in service (waiting for
@@ -44,7 +46,8 @@ import structlog
 
 from tandem.core.protocols import GenerationRequest
 from tandem.core.records import FinishReason, ResumePolicy, Trajectory, token_trajectory
-from tandem.engines.server.client import ServerClient, ServerError, ServerGoneError
+from tandem.engines.server.auth import ApiKeys
+from tandem.engines.server.client import ServerBusyError, ServerClient, ServerError, ServerGoneError
 
 __all__ = ["Endpoint", "NoServerError", "ServerRolloutEngine", "served_version"]
 
@@ -96,6 +99,7 @@ class ServerRolloutEngine:
         wait_for_server_s: float,
         ready: Callable[[], Awaitable[None]] | None = None,
         client: Callable[[str, aiohttp.ClientSession], ServerClient] | None = None,
+        keys: ApiKeys | None = None,
     ) -> None:
         if not urls:
             raise ValueError("a server rollout engine needs at least one server")
@@ -107,7 +111,8 @@ class ServerRolloutEngine:
         self._wait_s = wait_for_server_s
         self._ready = ready
         # A server's client: sglang's API by default (tandem serve, sglang); vLLM's has its own.
-        self._client = client or (lambda url, session: ServerClient(url, session, request_timeout_s=request_timeout_s))
+        self._client = client or (lambda url, session: ServerClient(url, session, request_timeout_s=request_timeout_s,
+                                                                    keys=keys))
         self.resync: Callable[[], Awaitable[None]] | None = None  # set by the builder
         self.endpoints: list[Endpoint] = []
         self._version = 0
@@ -267,7 +272,12 @@ class ServerRolloutEngine:
                 },
                 "return_logprob": True,
             }
-            answer = await endpoint.client.generate(body)
+            try:
+                answer = await endpoint.client.generate(body)
+            except ServerBusyError as exc:
+                log.info("rollout server busy; retrying after its Retry-After", server=endpoint.url, after_s=exc.retry_after_s)
+                await asyncio.sleep(exc.retry_after_s)  # the server names when it has room: no event to wait on
+                continue
             meta = answer.meta_info
             if served_version(meta.weight_version) < version:
                 # Older weights than every server was given: it restarted since. Its tokens are

@@ -19,13 +19,16 @@ few extensions, each marked as such:
 Invariants: requests are parsed with ``extra="forbid"``, so a field this server does not
 implement is refused with a 400 naming it rather than silently ignored; responses allow extra
 fields, so a client reads a real sglang server's answers (which carry many more) unchanged.
+Every number a request carries is finite and in its range, and every token id within the
+vocabulary, before anything reaches the engine: the server validates with a context
+(:func:`request_context`: ``vocab_size``, ``max_top_logprobs``) and a 400 names the field.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, model_validator
 
 from tandem.param_sync.bucket import BucketHeader, Manifest, TensorMeta
 
@@ -51,11 +54,35 @@ __all__ = [
     "UpdateWeightsFromTensorReqInput",
     "manifest_from_json",
     "manifest_to_json",
+    "request_context",
 ]
+
+MAX_SEED = (1 << 63) - 1
+
+
+def request_context(vocab_size: int, max_top_logprobs: int) -> dict[str, int]:
+    """What validating a request needs to know of the server it goes to."""
+    return {"vocab_size": vocab_size, "max_top_logprobs": max_top_logprobs}
+
+
+def check_token_ids(ids: list[int], field: str, info: ValidationInfo) -> None:
+    """Every id in ``ids`` within the vocabulary (when the context gives its size); ``field`` names them."""
+    vocab = (info.context or {}).get("vocab_size")
+    if not ids:
+        raise ValueError(f"{field}: a prompt needs at least one token")
+    bad = next((t for t in ids if t < 0 or (vocab is not None and t >= vocab)), None)
+    if bad is not None:
+        raise ValueError(f"{field}: token id {bad} is outside the vocabulary [0, {vocab if vocab is not None else 'vocab'})")
+
+
+def check_top_k(top_k: int | None, field: str, info: ValidationInfo) -> None:
+    vocab = (info.context or {}).get("vocab_size")
+    if top_k is not None and vocab is not None and top_k > vocab:
+        raise ValueError(f"{field} must be -1 (disable) or in [1, {vocab}] (the vocabulary), got {top_k}")
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class _Response(BaseModel):
@@ -69,7 +96,7 @@ class SamplingParams(_Request):
     """sglang's ``SamplingParams`` (the API fields an RL trainer sets). ``top_k = -1`` disables
     top-k as in sglang; ``temperature = 0`` is greedy (sglang turns it into ``top_k = 1``)."""
 
-    max_new_tokens: int | None = 128
+    max_new_tokens: int | None = Field(128, ge=1)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     temperature: float = 1.0
@@ -80,10 +107,10 @@ class SamplingParams(_Request):
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
     n: int = 1
-    sampling_seed: int | None = None
+    sampling_seed: int | None = Field(None, ge=0, le=MAX_SEED)
 
     @model_validator(mode="after")
-    def _supported(self) -> SamplingParams:
+    def _supported(self, info: ValidationInfo) -> SamplingParams:
         if self.min_p != 0.0:
             raise ValueError("sampling_params.min_p: only 0 is supported by this server")
         if self.ignore_eos:
@@ -92,6 +119,7 @@ class SamplingParams(_Request):
             raise ValueError(f"sampling_params.top_p must be in (0, 1], got {self.top_p}")
         if self.top_k == 0 or self.top_k < -1:
             raise ValueError(f"sampling_params.top_k must be -1 (disable) or at least 1, got {self.top_k}")
+        check_top_k(self.top_k, "sampling_params.top_k", info)
         if self.temperature < 0:
             raise ValueError(f"sampling_params.temperature must be >= 0, got {self.temperature}")
         if self.n < 1:
@@ -115,11 +143,17 @@ class GenerateReqInput(_Request):
     conversation_id: str | None = None
 
     @model_validator(mode="after")
-    def _one_input(self) -> GenerateReqInput:
+    def _one_input(self, info: ValidationInfo) -> GenerateReqInput:
         if (self.text is None) == (self.input_ids is None):
             raise ValueError("give exactly one of text or input_ids")
         if self.input_ids is not None and len(self.input_ids) == 0:
             raise ValueError("input_ids cannot be empty")
+        if isinstance(self.text, list) and not self.text:
+            raise ValueError("text: an empty batch")
+        if self.input_ids is not None:
+            batch = [self.input_ids] if isinstance(self.input_ids[0], int) else self.input_ids
+            for i, ids in enumerate(batch):
+                check_token_ids(ids, "input_ids" if batch is not self.input_ids else f"input_ids[{i}]", info)  # type: ignore[arg-type]
         for name in ("logprob_start_len", "top_logprobs_num"):
             values = getattr(self, name)
             allowed = -1 if name == "logprob_start_len" else 0
@@ -268,10 +302,19 @@ class ShmMessage(_Request):
     ``end`` or ``abort``. The answer is the server's :class:`LoadReportBody`."""
 
     type: Literal["begin", "bucket", "end", "abort"]
-    segment: str | None = None
+    # a POSIX shared-memory name: no slash, so it cannot reach beyond /dev/shm
+    segment: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]{1,200}$")
     manifest: dict[str, Any] | None = None
     header: dict[str, int] | None = None
     reason: str = ""
+
+    @model_validator(mode="after")
+    def _complete(self) -> ShmMessage:
+        needed = {"begin": ("segment", "manifest"), "bucket": ("header",)}.get(self.type, ())
+        missing = [name for name in needed if getattr(self, name) is None]
+        if missing:
+            raise ValueError(f"{', '.join(missing)}: required in a {self.type!r} message")
+        return self
 
 
 class LoadReportBody(_Response):
@@ -320,29 +363,40 @@ class ChatMessage(_Response):
 class _OpenAIRequest(BaseModel):
     # The openai client sends fields this server does not use (user, metadata...): ignored, as
     # sglang's protocol models do, except those that would change the sampling (checked below).
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: str = "default"
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = None
     stop: str | list[str] | None = None
     n: int = 1
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
     logprobs: bool | int | None = None
+    top_logprobs: int | None = Field(None, ge=0)
     stream: bool = False
     # tandem's record key (sglang's GenerateReqInput has the same field): pass it with the
     # openai client's ``extra_body``, or as the ``X-Conversation-Id`` header.
     conversation_id: str | None = None
 
     @model_validator(mode="after")
-    def _supported(self) -> _OpenAIRequest:
+    def _supported(self, info: ValidationInfo) -> _OpenAIRequest:
         if self.n != 1:
             raise ValueError("n: only 1 is supported by this server")
         if self.stream:
             raise ValueError("stream: streaming OpenAI responses are not supported by this server")
+        if self.top_k is not None and (self.top_k == 0 or self.top_k < -1):
+            raise ValueError(f"top_k must be -1 (disable) or at least 1, got {self.top_k}")
+        check_top_k(self.top_k, "top_k", info)
+        cap = (info.context or {}).get("max_top_logprobs")
+        for name in ("logprobs", "top_logprobs"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or value is None:
+                continue
+            if value < 0 or (cap is not None and value > cap):
+                raise ValueError(f"{name} must be in [0, {cap}] (the server's --max-top-logprobs), got {value}")
         return self
 
 
@@ -351,6 +405,12 @@ class CompletionRequest(_OpenAIRequest):
 
     prompt: str | list[int]
     echo: bool = False
+
+    @model_validator(mode="after")
+    def _in_vocabulary(self, info: ValidationInfo) -> CompletionRequest:
+        if isinstance(self.prompt, list):
+            check_token_ids(self.prompt, "prompt", info)
+        return self
 
 
 class ChatCompletionRequest(_OpenAIRequest):

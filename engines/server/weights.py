@@ -44,6 +44,7 @@ import numpy as np
 import torch
 
 from tandem.core.protocols import SyncReport, WeightSync
+from tandem.engines.server.auth import ApiKeys, bearer
 from tandem.engines.server.dist_group import broadcast, destroy_weight_group, init_weight_group
 from tandem.engines.server.receive import CHECKSUMS_KEY, LAYOUT_KEY
 from tandem.engines.server.router import ServerRolloutEngine
@@ -77,11 +78,13 @@ def _connection(url: str, timeout_s: float) -> http.client.HTTPConnection:
     return http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port or 80, timeout=timeout_s)
 
 
-def post_json(url: str, path: str, body: Any, timeout_s: float) -> tuple[int, Any]:
-    """A blocking JSON POST (the transports run on worker threads, away from any event loop)."""
+def post_json(url: str, path: str, body: Any, timeout_s: float, keys: ApiKeys | None = None) -> tuple[int, Any]:
+    """A blocking JSON POST (the transports run on worker threads, away from any event loop),
+    with the key ``keys`` give for ``path``."""
     conn = _connection(url, timeout_s)
     try:
-        conn.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
+        headers = {"Content-Type": "application/json", **bearer((keys or ApiKeys()).for_client(path))}
+        conn.request("POST", path, body=json.dumps(body), headers=headers)
         resp = conn.getresponse()
         text = resp.read().decode()
     finally:
@@ -135,7 +138,8 @@ def _success_report(url: str, status: int, body: Any, version: int) -> LoadRepor
 class HttpShmTransport:
     """Same-host servers map the trainer's buffer halves (shared-memory segments)."""
 
-    def __init__(self, targets: Targets, *, timeout_s: float) -> None:
+    def __init__(self, targets: Targets, *, timeout_s: float, keys: ApiKeys | None = None) -> None:
+        self._keys = keys or ApiKeys()
         self._targets = targets
         self._timeout_s = timeout_s
 
@@ -175,16 +179,18 @@ class HttpShmTransport:
         conn = _connection(url, self._timeout_s)
         try:
             # An iterable body goes out chunked, each line as the gather announces its bucket.
-            conn.request("POST", "/tandem/update_weights_from_shm", body=body(), headers={"Content-Type": "application/x-ndjson"})
+            path = "/tandem/update_weights_from_shm"
+            headers = {"Content-Type": "application/x-ndjson", **bearer(self._keys.for_client(path))}
+            conn.request("POST", path, body=body(), headers=headers)
             resp = conn.getresponse()
             answer = json.loads(resp.read().decode())
         except (OSError, http.client.HTTPException, ValueError) as exc:
             return _failed(url, f"server gone: {type(exc).__name__}: {exc}")
         finally:
             conn.close()
-        if resp.status != 200:
-            return _failed(url, f"HTTP {resp.status}: {answer}")
-        return LoadReport(**answer)
+        if resp.status == 200 or (resp.status == 400 and "ok" in answer):  # 400: the server's report of a failed transfer
+            return LoadReport(**answer)
+        return _failed(url, f"HTTP {resp.status}: {answer}")
 
     def close(self) -> None:
         """Nothing to tell: each server copies its weights out of a segment it serves from
@@ -198,8 +204,9 @@ class HttpDistTransport:
     """Rank 0 of a weight group that every server joins (sglang's distributed update)."""
 
     def __init__(self, targets: Targets, *, master_address: str, backend: str, checksums: bool, timeout_s: float,
-                 group_name: str = "weight_update_group") -> None:
+                 group_name: str = "weight_update_group", keys: ApiKeys | None = None) -> None:
         self._targets = targets
+        self._keys = keys
         self._address = master_address
         self._backend = backend
         self._checksums = checksums
@@ -225,9 +232,12 @@ class HttpDistTransport:
         }
         if self._checksums:
             body["bucket_nbytes"] = manifest.bucket_nbytes
-        threads, reports = _in_threads(
-            urls, lambda _, url: _success_report(url, *post_json(url, "/update_weights_from_distributed", body, self._timeout_s),
-                                              manifest.version))
+
+        def post(_: int, url: str) -> LoadReport:
+            status, answer = post_json(url, "/update_weights_from_distributed", body, self._timeout_s, self._keys)
+            return _success_report(url, status, answer, manifest.version)
+
+        threads, reports = _in_threads(urls, post)
         try:
             flat = torch.from_numpy(half.array)
             for meta in manifest.tensors:
@@ -260,7 +270,7 @@ class HttpDistTransport:
     def _init(self, url: str, rank: int, port: int, world: int) -> LoadReport:
         body = {"master_address": self._address, "master_port": port, "rank_offset": rank, "world_size": world,
                 "group_name": self._group_name, "backend": self._backend}
-        return _success_report(url, *post_json(url, "/init_weights_update_group", body, self._timeout_s), 0)
+        return _success_report(url, *post_json(url, "/init_weights_update_group", body, self._timeout_s, self._keys), 0)
 
     def _leave(self) -> None:
         if self._group is not None:
@@ -302,8 +312,9 @@ def write_safetensors(path: Path, manifest: Manifest, stream: np.ndarray, metada
 class DiskTransport:
     """A checkpoint per version in ``folder`` (the two newest kept), loaded by every server."""
 
-    def __init__(self, targets: Targets, folder: Path, *, timeout_s: float) -> None:
+    def __init__(self, targets: Targets, folder: Path, *, timeout_s: float, keys: ApiKeys | None = None) -> None:
         self._targets = targets
+        self._keys = keys
         self._folder = folder
         self._timeout_s = timeout_s
 
@@ -324,9 +335,11 @@ class DiskTransport:
             shutil.rmtree(old, ignore_errors=True)
         urls = self._targets()
         body = {"model_path": str(folder), "weight_version": str(manifest.version)}
-        threads, reports = _in_threads(
-            urls, lambda _, url: _success_report(url, *post_json(url, "/update_weights_from_disk", body, self._timeout_s),
-                                              manifest.version))
+        def post(_: int, url: str) -> LoadReport:
+            status, answer = post_json(url, "/update_weights_from_disk", body, self._timeout_s, self._keys)
+            return _success_report(url, status, answer, manifest.version)
+
+        threads, reports = _in_threads(urls, post)
         return _join(urls, threads, reports, time.monotonic() + self._timeout_s)
 
     def close(self) -> None:

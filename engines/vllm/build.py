@@ -22,7 +22,7 @@ from tandem.engines.server.router import ServerRolloutEngine
 from tandem.engines.shared.weight_sync import SyncedTrainer, TorchWeightSync, TrainerSyncSource
 from tandem.engines.text.build import TORCH_DTYPES, resolve_model_path
 from tandem.engines.vllm.engine import VllmRolloutEngine, VllmSettings, eos_token_ids
-from tandem.engines.vllm.server import VllmHttpEndpoint, VllmServerClient, vllm_command, vllm_server_env
+from tandem.engines.vllm.server import VllmHttpEndpoint, VllmServerClient, vllm_command, vllm_key_env, vllm_server_env
 from tandem.engines.vllm.sync import VllmShmTransport, WeightProbe
 from tandem.param_sync import ParamSyncer
 
@@ -79,11 +79,12 @@ def build_vllm_server_components(config: TandemConfig, setup: TaskSetup) -> Comp
     vllm_server``): the server bundle, with vLLM's command, client and shared-memory weight sync."""
     from transformers import AutoConfig
 
-    from tandem.engines.server.build import ServerKind, build_server_components
+    from tandem.engines.server.build import ServerKind, build_server_components, server_keys
 
     spec = config.engines
     assert isinstance(spec, TorchEnginesConfig)
     servers, model_path = spec.servers, resolve_model_path(spec.model_path)
+    keys = server_keys(servers)
     max_model_len = int(AutoConfig.from_pretrained(str(model_path)).max_position_embeddings)
     stop_ids = sorted(eos_token_ids(model_path))
     probe = WeightProbe(model_path, max_gap=spec.vllm.max_gap(spec.dtype), dtype=TORCH_DTYPES[spec.dtype])
@@ -95,14 +96,16 @@ def build_vllm_server_components(config: TandemConfig, setup: TaskSetup) -> Comp
 
     def transport(router: ServerRolloutEngine) -> VllmShmTransport:
         timeout_s = spec.vllm.update_timeout_s
-        return VllmShmTransport(lambda: [VllmHttpEndpoint(url, timeout_s=timeout_s) for url in router.receivers()], probe)
+        return VllmShmTransport(lambda: [VllmHttpEndpoint(url, timeout_s=timeout_s, keys=keys) for url in router.receivers()],
+                                probe)
 
     kind = ServerKind(
         command=command,
         live_updates=True,  # vLLM keeps requests across an update; each token's version comes back
         client=lambda url, session: VllmServerClient(url, session, request_timeout_s=servers.request_timeout_s,
-                                                     stop_token_ids=stop_ids),
+                                                     stop_token_ids=stop_ids, keys=keys),
         transport=transport,
         wrap_sync=lambda inner: VllmWeightSync(inner, probe),
+        key_env=vllm_key_env,
     )
     return build_server_components(config, setup, kind)

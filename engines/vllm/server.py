@@ -30,13 +30,14 @@ from typing import Any
 
 import aiohttp
 
+from tandem.engines.server.auth import ApiKeys
 from tandem.engines.server.client import ServerClient, ServerError
 from tandem.engines.server.schemas import GenerateResponse, ModelInfo, header_to_json, manifest_to_json
 from tandem.engines.server.weights import post_json
 from tandem.engines.vllm.engine import WORKER_EXTENSION, VllmSettings, token_versions
 from tandem.param_sync import BucketHeader, LoadReport, Manifest
 
-__all__ = ["VllmHttpEndpoint", "VllmServerClient", "vllm_command", "vllm_server_env"]
+__all__ = ["VllmHttpEndpoint", "VllmServerClient", "vllm_command", "vllm_key_env", "vllm_server_env"]
 
 
 def vllm_command(model_path: str, host: str, port: int, *, dtype: str, max_batch_size: int, max_model_len: int,
@@ -60,12 +61,19 @@ def vllm_server_env(settings: VllmSettings) -> dict[str, str]:
     return {**settings.environment(), "VLLM_SERVER_DEV_MODE": "1"}
 
 
+def vllm_key_env(keys: ApiKeys) -> dict[str, str]:
+    """vLLM's ``--api-key``, given as the variable that option reads (``VLLM_API_KEY``): on the
+    command line the key would show in the process list and the launch log. vLLM checks it on
+    its ``/v1`` routes; the client sends it on every call."""
+    return {} if keys.api_key is None else {"VLLM_API_KEY": keys.api_key.get_secret_value()}
+
+
 class VllmServerClient(ServerClient):
     """The router's client for a vLLM server: sglang-shaped answers from vLLM's routes."""
 
     def __init__(self, url: str, session: aiohttp.ClientSession, *, request_timeout_s: float,
-                 stop_token_ids: Sequence[int] = ()) -> None:
-        super().__init__(url, session, request_timeout_s=request_timeout_s)
+                 stop_token_ids: Sequence[int] = (), keys: ApiKeys | None = None) -> None:
+        super().__init__(url, session, request_timeout_s=request_timeout_s, keys=keys)
         self._stop_token_ids = list(stop_token_ids)
 
     async def generate(self, body: dict[str, Any]) -> GenerateResponse:
@@ -122,12 +130,13 @@ def _parsed(text: str) -> dict[str, Any]:
 class VllmHttpEndpoint:
     """One vLLM server as the weight sync sees it (blocking calls, from the sync's send thread)."""
 
-    def __init__(self, url: str, *, timeout_s: float) -> None:
+    def __init__(self, url: str, *, timeout_s: float, keys: ApiKeys | None = None) -> None:
         self.url = url
         self._timeout_s = timeout_s
+        self._keys = keys
 
     def _post(self, path: str, body: Any) -> Any:
-        status, answer = post_json(self.url, path, body, self._timeout_s)
+        status, answer = post_json(self.url, path, body, self._timeout_s, self._keys)
         if status != 200:
             raise ServerError(self.url, status, str(answer))
         return answer

@@ -40,7 +40,7 @@ async def solver() -> AsyncIterator[Agent]:
         async def solve(run: AgentRun) -> None:
             """One completion of the problem's prompt with the run's sampling settings; the reward
             scores the recorded answer, so the agent returns nothing."""
-            client = openai.AsyncOpenAI(base_url=run.base_url, api_key="unused", max_retries=0, http_client=http)
+            client = openai.AsyncOpenAI(base_url=run.base_url, api_key=run.api_key, max_retries=0, http_client=http)
             sampling = run.sampling
             await client.completions.create(
                 model="tandem", prompt=run.item.prompt, max_tokens=sampling.max_new_tokens,

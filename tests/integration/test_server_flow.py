@@ -126,6 +126,34 @@ def test_an_openai_client_agent_named_in_the_config_trains_end_to_end(tmp_path: 
     assert all(t > 0 for t in trained)  # the recorded calls' tokens were trained
 
 
+def test_servers_behind_keys_train_an_openai_agent_and_the_keys_are_written_nowhere(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The run's servers require an API key (from an environment variable) and a separate admin
+    key (from a file): the agent's openai client, the router and the shared-memory weight sync
+    each send theirs, and neither key reaches the config, the run's logs or the servers' logs."""
+    pytest.importorskip("openai")
+    api_key, admin_key = "api-5c1d0e9b", "admin-0a7f3e21"
+    monkeypatch.setenv("TANDEM_TEST_ROLLOUT_KEY", api_key)
+    key_file = tmp_path / "admin.key"
+    key_file.write_text(admin_key + "\n")
+    config = load_config(CONFIGS_DIR / "arithmetic_openai_agent.yaml", [
+        f"run.output_dir={tmp_path}", "run.max_steps=3", "train.prompts_per_step=4", "rollout.samples_per_prompt=2",
+        "engines.generation_threads=1", "engines.train_threads=1", "engines.lr=1e-3",
+        "engines.servers.startup_timeout_s=240", "validation.every_versions=null",
+        "observability.trace=false", "observability.metrics_port=null",
+        "engines.servers.api_key.env=TANDEM_TEST_ROLLOUT_KEY", f"engines.servers.admin_key.file={key_file}",
+    ])
+    result = asyncio.run(AsyncTrainingFlow(config).run())
+    check_run(result, config)
+    assert result.syncs and result.syncs[-1].version >= 2  # the admin key opened the weight route
+    written = [p for p in tmp_path.rglob("*") if p.is_file() and p != key_file]
+    assert any(p.name == "server0.log" for p in written)
+    leaked = [p for p in written if api_key.encode() in p.read_bytes() or admin_key.encode() in p.read_bytes()]
+    assert leaked == []
+    assert api_key not in config.model_dump_json() and admin_key not in config.model_dump_json()
+
+
 def test_an_agent_that_cannot_be_loaded_is_refused_before_any_server_starts(tmp_path: Path) -> None:
     config = server_config(tmp_path, engines={"servers": {"agent": "tandem.tasks.arithmetic.openai_agent:no_such_agent"}})
     with pytest.raises(ConfigError, match=r"engines.servers.agent: cannot import .*no_such_agent"):

@@ -13,6 +13,7 @@ import aiohttp
 import pytest
 from tiny_lm import encode
 
+from tandem.engines.server.limits import ServerLimits
 from tandem.engines.server.schemas import (
     AbortReq,
     GenerateReqInput,
@@ -158,7 +159,8 @@ async def test_pause_in_place_freezes_requests_with_their_cache(model_dir: Path)
 async def test_update_weights_from_disk_serves_the_new_weights_from_then_on(model_dir: Path, v1_model_dir: Path) -> None:
     prompt = encode("45+6=")
     body = {"input_ids": prompt, "return_logprob": True, "sampling_params": {"max_new_tokens": 8, "sampling_seed": 1}}
-    async with served(model_dir) as (_, url), aiohttp.ClientSession() as session:
+    limits = ServerLimits(weight_dirs=(model_dir, v1_model_dir))
+    async with served(model_dir, limits=limits) as (_, url), aiohttp.ClientSession() as session:
         update = {"model_path": str(v1_model_dir), "weight_version": "1"}
         status, answer = await post(session, url, "/update_weights_from_disk", update, UpdateWeightFromDiskReqInput)
         _, info = await get(session, url, "/get_model_info")

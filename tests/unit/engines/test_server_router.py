@@ -16,6 +16,7 @@ from tiny_lm import decode, encode
 from tandem.core.protocols import GenerationRequest, RolloutEngine, SamplingParams
 from tandem.core.records import FinishReason, ResumePolicy, Trajectory
 from tandem.engines.server.app import RolloutServer, serve
+from tandem.engines.server.limits import ServerLimits
 from tandem.engines.server.router import ServerRolloutEngine, running
 from tandem.engines.server.weights import free_port, post_json
 from tandem.engines.trainers.torch_train import TorchLogProbEngine
@@ -43,8 +44,9 @@ async def collect(engine: RolloutEngine, reqs: list[GenerationRequest]) -> list[
 class Process:
     """An in-process server that can be stopped (its connections dropped) and started again on its port."""
 
-    def __init__(self, model_dir: Path, port: int | None = None) -> None:
+    def __init__(self, model_dir: Path, port: int | None = None, *, weight_dirs: tuple[Path, ...] = ()) -> None:
         self.model_dir = model_dir
+        self.limits = ServerLimits(weight_dirs=weight_dirs)
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.server: RolloutServer | None = None
@@ -52,7 +54,7 @@ class Process:
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> RolloutServer:
-        self.server = RolloutServer.create(str(self.model_dir))
+        self.server = RolloutServer.create(str(self.model_dir), limits=self.limits)
         self._stop = asyncio.Event()
         ready: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         self._task = asyncio.ensure_future(serve(self.server, "127.0.0.1", self.port, ready=ready.set_result, stop=self._stop))
@@ -134,7 +136,7 @@ async def test_a_killed_servers_requests_are_retried_elsewhere_exactly_once(mode
 
 
 async def test_a_server_that_comes_back_gets_the_current_weights_before_any_work(model_dir: Path, v1_model_dir: Path) -> None:
-    a = Process(model_dir)
+    a = Process(model_dir, weight_dirs=(v1_model_dir,))
     async with processes(a), running(router([a.url], health_s=0.2)) as engine:
         pushed: list[int] = []
 
@@ -156,7 +158,7 @@ async def test_a_server_that_comes_back_gets_the_current_weights_before_any_work
 async def test_a_paused_update_aborts_and_resumes_requests_recomputing_their_prefix(model_dir: Path, v1_model_dir: Path) -> None:
     """Servers without live updates (sglang): the update pauses generation; each request in
     flight comes back aborted and is resumed under the new weights, its tokens versioned."""
-    a = Process(model_dir)
+    a = Process(model_dir, weight_dirs=(v1_model_dir,))
     async with processes(a), running(router([a.url], live=False)) as engine:
         reqs = requests(1, 2, 150)
         pending = asyncio.ensure_future(collect(engine, reqs))

@@ -13,6 +13,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from tandem.engines.server.limits import ServerLimits
 from tandem.engines.server.weights import DiskTransport, HttpDistTransport, HttpShmTransport
 from tandem.param_sync import (
     BucketHeader,
@@ -147,7 +148,7 @@ async def test_disk_sync_writes_a_checked_safetensors_checkpoint(model_dir: Path
     from safetensors.torch import load_file
 
     source = trainer_source(v1_model_dir)
-    async with served(model_dir) as (server, url):
+    async with served(model_dir, limits=ServerLimits(weight_dirs=(tmp_path,))) as (server, url):
         syncer = ParamSyncer(source, DiskTransport(lambda: [url], tmp_path / "w", timeout_s=30), produce_bucket_mb=0.05)
         try:
             await syncer.sync(4)
@@ -159,7 +160,7 @@ async def test_disk_sync_writes_a_checked_safetensors_checkpoint(model_dir: Path
     # The file is a plain safetensors checkpoint (loadable by anything); only the newest two are kept.
     # (aclose removed the folder; a fresh sync shows the layout.)
     folder = tmp_path / "w2"
-    async with served(model_dir) as (server, url):
+    async with served(model_dir, limits=ServerLimits(weight_dirs=(tmp_path,))) as (server, url):
         syncer = ParamSyncer(source, DiskTransport(lambda: [url], folder, timeout_s=30))
         await syncer.sync(1)
         await syncer.sync(2)
@@ -180,7 +181,7 @@ async def test_a_corrupted_checkpoint_is_refused(model_dir: Path, v1_model_dir: 
     from tandem.engines.server.weights import post_json, write_safetensors
 
     source = trainer_source(v1_model_dir)
-    async with served(model_dir) as (server, url):
+    async with served(model_dir, limits=ServerLimits(weight_dirs=(tmp_path,))) as (server, url):
         syncer = ParamSyncer(source, DiskTransport(lambda: [url], tmp_path / "w", timeout_s=30))
         await syncer.sync(1)
         manifest, half = syncer._manifest, syncer._buffer.active
