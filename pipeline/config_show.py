@@ -3,7 +3,8 @@
 What a run will use, after the file, the overrides and every default: one ``key: value`` line per
 field, nested sections indented, and the first line of the field's docstring as a comment (the
 models keep their docs on their attributes, ``use_attribute_docstrings``). Keys are never in a
-config (it names where to read them: ``engines.servers.api_key``), so none can print. The output loads back as YAML (comments aside, it is the same config).
+config (it names where to read them: ``engines.servers.api_key``), so none can print. The output
+loads back as YAML (comments aside, it is the same config).
 """
 
 from __future__ import annotations
