@@ -53,12 +53,12 @@ from tandem.core.records import Trajectory
 from tandem.engines.diffusion.model import MODEL_INDEX, guided_velocity, load_generator
 from tandem.engines.diffusion.payload import ImagePayload, image_payload
 from tandem.engines.shared.threads import ClosesOnAThread, budgeted_executor
+from tandem.engines.trainers.state import TRAINER_STATE_FILE, load_trainer_state, restore_trainer_state, save_trainer_state
 from tandem.param_sync import unique_weights
 
 __all__ = ["TRAINER_STATE_FILE", "DiffusionTrainEngine"]
 
 _T = TypeVar("_T")
-TRAINER_STATE_FILE = "trainer.pt"  # what save_state writes into a checkpoint folder
 
 
 @dataclass(slots=True)
@@ -309,24 +309,12 @@ class DiffusionTrainEngine(ClosesOnAThread):
         return grad_norm
 
     def _save(self, path: Path) -> None:
-        state = {
-            "model": self._model.state_dict(),
-            "optimizer": self._optimizer.state_dict(),
-            "scheduler": self._scheduler.state_dict(),
-            "version": self._version,
-            "rng": torch.get_rng_state(),
-        }
-        torch.save(state, path)
+        save_trainer_state(path, self._model, self._optimizer, self._scheduler, self._version)
 
     def _load(self, path: Path) -> None:
-        # CPU first: the RNG state must stay there; load_state_dict copies weights to the device.
-        state = torch.load(path, map_location="cpu", weights_only=True)
-        with self._weights_lock:
-            self._model.load_state_dict(state["model"])
-            self._optimizer.load_state_dict(state["optimizer"])
-            self._scheduler.load_state_dict(state["scheduler"])
-            self._version = state["version"]
-        torch.set_rng_state(state["rng"])
+        state = load_trainer_state(path)
+        with self._weights_lock:  # the weights and their version move together
+            self._version = restore_trainer_state(state, self._model, self._optimizer, self._scheduler)
 
     def _export(self, folder: Path) -> None:
         folder.mkdir(parents=True, exist_ok=True)

@@ -21,7 +21,6 @@ import functools
 import math
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -32,7 +31,7 @@ from tandem.core.records import Trajectory
 from tandem.engines.shared.microbatch import MicroBatch, response_logprobs
 from tandem.engines.trainers.group import RankSpec, join_rank_group, rank_optimizer
 from tandem.engines.trainers.loss_loop import StepTotals, accumulate, score
-from tandem.engines.trainers.torch_train import TRAINER_STATE_FILE
+from tandem.engines.trainers.state import TRAINER_STATE_FILE, load_trainer_state, restore_trainer_state, save_trainer_state
 from tandem.param_sync import unique_weights
 
 __all__ = ["DDPRank", "all_reduce_gradients", "broadcast_parameters"]
@@ -93,22 +92,10 @@ class DDPRank:
 
     def save(self, path: Path) -> None:
         if self._rank == 0:
-            state: dict[str, Any] = {
-                "model": self._model.state_dict(),
-                "optimizer": self._optimizer.state_dict(),
-                "scheduler": self._scheduler.state_dict(),
-                "version": self.version,
-                "rng": torch.get_rng_state(),
-            }
-            torch.save(state, path)
+            save_trainer_state(path, self._model, self._optimizer, self._scheduler, self.version)
 
     def load(self, path: Path) -> None:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-        self._model.load_state_dict(state["model"])
-        self._optimizer.load_state_dict(state["optimizer"])
-        self._scheduler.load_state_dict(state["scheduler"])
-        self.version = state["version"]
-        torch.set_rng_state(state["rng"])
+        self.version = restore_trainer_state(load_trainer_state(path), self._model, self._optimizer, self._scheduler)
 
     def close(self) -> None:
         dist.destroy_process_group()

@@ -48,12 +48,12 @@ from tandem.core.records import Trajectory
 from tandem.engines.shared.microbatch import MicroBatch, response_logprobs
 from tandem.engines.shared.threads import ClosesOnAThread, budgeted_executor
 from tandem.engines.trainers.loss_loop import StepTotals, accumulate, check_trainable, score
+from tandem.engines.trainers.state import TRAINER_STATE_FILE, load_trainer_state, save_trainer_state
 from tandem.param_sync import unique_weights
 
 __all__ = ["REFERENCE_STATE_FILE", "TRAINER_STATE_FILE", "TorchLogProbEngine", "TorchTrainEngine"]
 
 _T = TypeVar("_T")
-TRAINER_STATE_FILE = "trainer.pt"  # what the trainer's save_state writes into a checkpoint folder
 REFERENCE_STATE_FILE = "reference.pt"  # what a frozen scorer's save_state writes there
 
 
@@ -266,19 +266,10 @@ class TorchTrainEngine(_TorchModelEngine):
         )
 
     def _save(self, path: Path) -> None:
-        state = {
-            "model": self._model.state_dict(),
-            "optimizer": self._optimizer.state_dict(),
-            "scheduler": self._scheduler.state_dict(),
-            "version": self._version,
-            "rng": torch.get_rng_state(),
-        }
-        torch.save(state, path)
+        save_trainer_state(path, self._model, self._optimizer, self._scheduler, self._version)
 
     def _load(self, path: Path) -> None:
-        # CPU first: the RNG state must stay there; the weights and moments are copied to the
-        # device by load_state_dict.
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = load_trainer_state(path)
         self._restore(state)
         torch.set_rng_state(state["rng"])
 

@@ -1,7 +1,7 @@
 """PPO with a critic (GAE's per-token advantages) trains on two FSDP2 ranks and on two megatron-core
 ranks: the shipped critic config, shortened. Every trainer runs the one loss loop
 (``engines.trainers.loss_loop``), which reads per-token advantages; that the two-rank step equals
-one process's with them is in ``tests/unit/engines/test_fsdp.py``."""
+one process's with them is in ``tests/unit/engines/trainers/test_fsdp.py``."""
 
 from __future__ import annotations
 

@@ -26,7 +26,7 @@ from tandem.engines.server.schemas import (
     UpdateWeightsFromTensorReqInput,
 )
 from tandem.engines.trainers.torch_train import TorchLogProbEngine
-from tests.unit.engines.test_server_support import served
+from tests.unit.engines.server.test_server_support import served
 
 LONG = 400  # tokens: long enough to be caught running
 

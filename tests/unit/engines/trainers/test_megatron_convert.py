@@ -6,8 +6,6 @@ processes) and the log-prob and gradient parity live in ``test_megatron_model.py
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 pytest.importorskip("megatron.core", reason="megatron-core is an optional extra: pip install tandem[megatron]")
@@ -17,8 +15,9 @@ from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig, Qw
 
 from tandem.engines.trainers.megatron.convert import WeightLayout, hf_to_megatron, megatron_to_hf, transformer_config
 from tandem.param_sync import unique_weights
+from tandem.tasks.arithmetic import MODEL_DIR
 
-SHIPPED_MODEL = Path(__file__).parents[3] / "tasks" / "arithmetic" / "model"
+SHIPPED_MODEL = MODEL_DIR  # the shipped arithmetic model
 
 
 def tiny_config(name: str) -> PretrainedConfig:

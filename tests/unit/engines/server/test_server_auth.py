@@ -29,9 +29,9 @@ from tandem.engines.server.router import ServerRolloutEngine, running
 from tandem.engines.server.weights import DiskTransport, post_json
 from tandem.engines.vllm.server import VllmServerClient, vllm_key_env
 from tandem.param_sync import ParamSyncer
-from tests.unit.engines.test_server_router import collect, requests
-from tests.unit.engines.test_server_support import served
-from tests.unit.engines.test_server_weights import trainer_source
+from tests.unit.engines.server.test_server_router import collect, requests
+from tests.unit.engines.server.test_server_support import served
+from tests.unit.engines.server.test_server_weights import trainer_source
 
 KEY, ADMIN = "k-3f9a1c", "adm-77e2b0"
 

@@ -19,7 +19,7 @@ from tandem.core.task import RewardFunction
 from tandem.engines.rewards import TaskReward
 from tandem.tasks.digits.reward import ocr
 
-THIS = "tests.unit.engines.test_diffusion_reward"
+THIS = "tests.unit.engines.diffusion.test_diffusion_reward"
 
 
 def crashing_judge(response: np.ndarray, answer: str | None) -> float:

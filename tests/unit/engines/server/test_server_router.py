@@ -20,7 +20,7 @@ from tandem.engines.server.limits import ServerLimits
 from tandem.engines.server.router import ServerRolloutEngine, running
 from tandem.engines.server.weights import free_port, post_json
 from tandem.engines.trainers.torch_train import TorchLogProbEngine
-from tests.unit.engines.test_server_support import launched, served
+from tests.unit.engines.server.test_server_support import launched, served
 
 PROMPTS = ["1+2=", "34+5=", "6=", "78+90="]
 

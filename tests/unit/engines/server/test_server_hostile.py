@@ -19,8 +19,8 @@ from tiny_lm import encode
 
 from tandem.engines.server.limits import ServerLimits
 from tandem.engines.server.weights import free_port
-from tests.unit.engines.test_server_router import collect, requests, router
-from tests.unit.engines.test_server_support import served
+from tests.unit.engines.server.test_server_router import collect, requests, router
+from tests.unit.engines.server.test_server_support import served
 
 MAX_BODY = 64 << 10
 PROMPT = encode("12+3=")

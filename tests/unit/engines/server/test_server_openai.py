@@ -17,7 +17,7 @@ from tandem.engines.server.agent import OpenAIAgentWorkflow, agent_session, reco
 from tandem.engines.server.client import ServerClient
 from tandem.engines.server.router import ServerRolloutEngine, running
 from tandem.engines.trainers.torch_train import TorchLogProbEngine
-from tests.unit.engines.test_server_support import served
+from tests.unit.engines.server.test_server_support import served
 
 # Renders a conversation in the tiny vocabulary: each user turn ends with "=", answers follow.
 TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% if m['role'] == 'user' %}={% endif %}{% endfor %}"

@@ -19,7 +19,6 @@ from typing import Any
 
 import pytest
 import torch
-from test_torch_train import pg_loss
 from tiny_lm import encode, save_tiny_model
 
 import tandem.param_sync.syncer as syncer_module
@@ -41,6 +40,7 @@ from tandem.param_sync import (
     TransferError,
     unique_weights,
 )
+from tests.unit.engines.trainers.test_torch_train import pg_loss
 
 # Small buckets and pieces: the ~300 KB tiny model crosses in several of each.
 BUCKETS = {"produce_bucket_mb": 0.05, "consume_bucket_mb": 0.02}

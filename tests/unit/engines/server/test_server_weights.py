@@ -25,7 +25,7 @@ from tandem.param_sync import (
     TransferError,
     unique_weights,
 )
-from tests.unit.engines.test_server_support import launched, served
+from tests.unit.engines.server.test_server_support import launched, served
 
 
 def trainer_source(model_dir: Path) -> ModuleSource:

@@ -165,7 +165,7 @@ def test_no_server_outlives_a_driver_killed_with_sigkill(tmp_path: Path) -> None
     driver = tmp_path / "driver.py"
     driver.write_text(textwrap.dedent(f"""
         import sys, time
-        sys.path.insert(0, {str(Path(__file__).resolve().parents[3])!r})
+        sys.path.insert(0, {str(Path(__file__).resolve().parents[4])!r})
         from tandem.engines.server.launcher import ServerFleet, ServerSpec
         specs = [ServerSpec(f"s{{i}}", [sys.executable, "-c", "import time; time.sleep(600)"], "http://127.0.0.1:1",
                             __import__("pathlib").Path({str(tmp_path)!r}) / f"s{{i}}.log") for i in range(2)]

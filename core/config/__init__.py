@@ -1,0 +1,90 @@
+"""Run configuration: pydantic models loaded from YAML with dotted command-line overrides.
+
+Every field is documented and used; unknown keys are errors (``extra="forbid"``); the rules
+between sections are checked before anything starts, and every error names the field at fault.
+Nothing here imports torch or ray, so a config can be validated anywhere.
+
+The parts, each small enough to hold in mind:
+- :mod:`~tandem.core.config.section`: the base of every section;
+- :mod:`~tandem.core.config.run`: the flow's sections (run, staleness, flow, roles, train,
+  rollout, validation, observability);
+- :mod:`~tandem.core.config.workloads`: the task and its rewards, images, episodes;
+- :mod:`~tandem.core.config.engines`, :mod:`~tandem.core.config.algorithm`,
+  :mod:`~tandem.core.config.cluster`: those sections, each with the rules it imposes on the rest
+  (a rollout placement's needs, the loss's inputs, a Ray cluster's limits);
+- :mod:`~tandem.core.config.schema`: ``TandemConfig``, the whole run, which runs those rules;
+- :mod:`~tandem.core.config.loading`: YAML, overrides, errors that name the field;
+- :mod:`~tandem.core.config.errors`: ``ConfigError`` and ``import_named``.
+
+Import from here: the names below are the config's API wherever they live.
+"""
+
+from __future__ import annotations
+
+from tandem.core.config.algorithm import AlgorithmConfig
+from tandem.core.config.cluster import POOL_ROLES, ClusterConfig, ParamSyncConfig
+from tandem.core.config.engines import (
+    FAULT_ROLES,
+    EnginesConfig,
+    FakeEnginesConfig,
+    FaultSpec,
+    RolloutServersConfig,
+    SecretSource,
+    TorchEnginesConfig,
+    VllmConfig,
+    is_loopback,
+)
+from tandem.core.config.errors import ConfigError, import_named
+from tandem.core.config.loading import apply_overrides, load_config, validate_config
+from tandem.core.config.run import (
+    DEFAULT_STAGES,
+    ROLE_NAMES,
+    FlowConfig,
+    LatencySpec,
+    ObservabilityConfig,
+    RoleConfig,
+    RolloutConfig,
+    RunConfig,
+    StalenessConfig,
+    TrainConfig,
+    ValidationConfig,
+)
+from tandem.core.config.schema import TandemConfig
+from tandem.core.config.workloads import AgenticConfig, DiffusionConfig, RewardFunctionConfig, TaskConfig
+
+__all__ = [
+    "DEFAULT_STAGES",
+    "FAULT_ROLES",
+    "POOL_ROLES",
+    "ROLE_NAMES",
+    "AgenticConfig",
+    "AlgorithmConfig",
+    "ClusterConfig",
+    "ConfigError",
+    "DiffusionConfig",
+    "EnginesConfig",
+    "FakeEnginesConfig",
+    "FaultSpec",
+    "FlowConfig",
+    "LatencySpec",
+    "ObservabilityConfig",
+    "ParamSyncConfig",
+    "RewardFunctionConfig",
+    "RoleConfig",
+    "RolloutConfig",
+    "RolloutServersConfig",
+    "RunConfig",
+    "SecretSource",
+    "StalenessConfig",
+    "TandemConfig",
+    "TaskConfig",
+    "TorchEnginesConfig",
+    "TrainConfig",
+    "ValidationConfig",
+    "VllmConfig",
+    "apply_overrides",
+    "import_named",
+    "is_loopback",
+    "load_config",
+    "validate_config",
+]

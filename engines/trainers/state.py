@@ -1,0 +1,47 @@
+"""A one-replica trainer's checkpoint: one format for the plain torch trainer, its DDP ranks and the
+image trainer, so a run resumes across them (one process or any number of DDP ranks).
+
+The file holds the model's and the optimizer's state dicts, the LR schedule, the version (the
+optimizer steps taken) and torch's CPU RNG state. It is read onto the CPU first (the RNG state
+must stay there); ``load_state_dict`` then copies weights and moments to the model's device.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["TRAINER_STATE_FILE", "load_trainer_state", "restore_trainer_state", "save_trainer_state"]
+
+TRAINER_STATE_FILE = "trainer.pt"  # what a trainer's save_state writes into a checkpoint folder
+
+
+def save_trainer_state(
+    path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, version: int
+) -> None:
+    state = {
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict(),
+        "version": version,
+        "rng": torch.get_rng_state(),
+    }
+    torch.save(state, path)
+
+
+def load_trainer_state(path: Path) -> dict[str, Any]:
+    """What :func:`save_trainer_state` wrote, on the CPU."""
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def restore_trainer_state(
+    state: dict[str, Any], model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any
+) -> int:
+    """Load ``state`` into the model, optimizer and schedule and torch's RNG; returns its version."""
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    torch.set_rng_state(state["rng"])
+    return int(state["version"])
