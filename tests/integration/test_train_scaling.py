@@ -105,11 +105,13 @@ def test_megatron_ranks_train_the_default_job_export_it_and_resume_on_one_rank(t
     assert resumed.resumed_from_version == 2 and resumed.final_version == 3
 
 
-def test_on_ray_a_group_of_two_fsdp2_train_actors_runs_the_default_job(ray_cluster: Any, tmp_path: Path) -> None:
+@pytest.mark.parametrize("layout", ["fsdp2", "ddp"])
+def test_on_ray_a_group_of_two_train_actors_runs_the_default_job(ray_cluster: Any, tmp_path: Path, layout: str) -> None:
     cfg = short_job(
-        tmp_path, "run.name=ray_group", "run.max_steps=3", "cluster.backend=ray", "engines.data_parallel=fsdp2",
+        tmp_path, "run.name=ray_group", "run.max_steps=3", "cluster.backend=ray", f"engines.data_parallel={layout}",
         "engines.train_world_size=2", "cluster.device_mapping={train: [0, 1], generate: [1]}",
     )  # fmt: skip
+    assert cfg.engines.trainer_group == layout
     components = build_components(cfg)
     try:
         group = components.trainer
