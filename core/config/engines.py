@@ -206,6 +206,12 @@ class VllmConfig(Section):
     ``engines.dtype`` is float32 (measured gaps ~1e-6), 0.25 in bfloat16/float16 (rounding)."""
     update_timeout_s: float = Field(120.0, gt=0)
     """Longest a weight update into vLLM may take (pause, load, resume) before the sync fails."""
+    in_flight: Literal["keep", "wait"] = "keep"
+    """Requests in flight at a weight update: ``keep`` (vLLM freezes them, the update lands, they
+    go on under the new weights with their prefix recomputed: one trajectory may span versions,
+    each token stamped with its own) or ``wait`` (the update waits until they finish under the
+    old weights: every trajectory has one version, at the cost of a stall as long as the longest
+    request in flight). vLLM's third mode, ``abort``, would lose their tokens: not offered."""
     enforce_eager: bool = False
     """vLLM's ``enforce_eager``: run the model eagerly instead of compiling it. Measured here on
     the shipped 1M model (CPU): start 21-25 s instead of 54-71 s, decode 3,700-4,400 tokens/s

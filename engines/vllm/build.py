@@ -61,7 +61,7 @@ def vllm_rollout(config: TandemConfig, trainer: SyncedTrainer, threads: int) -> 
     settings = VllmSettings(kv_cache_gib=spec.vllm.kv_cache_gib, cpus=generation_cpus(threads))
     engine = VllmRolloutEngine(
         model_path, device=spec.device, dtype=spec.dtype, max_batch_size=spec.max_batch_size, settings=settings,
-        enforce_eager=spec.vllm.enforce_eager, update_timeout_s=spec.vllm.update_timeout_s,
+        enforce_eager=spec.vllm.enforce_eager, update_timeout_s=spec.vllm.update_timeout_s, in_flight=spec.vllm.in_flight,
     )  # fmt: skip
     try:
         probe = WeightProbe(model_path, max_gap=spec.vllm.max_gap(spec.dtype), dtype=TORCH_DTYPES[spec.dtype])
@@ -95,9 +95,11 @@ def build_vllm_server_components(config: TandemConfig, setup: TaskSetup) -> Comp
         return argv, vllm_server_env(VllmSettings(kv_cache_gib=spec.vllm.kv_cache_gib, cpus=generation_cpus(threads)))
 
     def transport(router: ServerRolloutEngine) -> VllmShmTransport:
-        timeout_s = spec.vllm.update_timeout_s
-        return VllmShmTransport(lambda: [VllmHttpEndpoint(url, timeout_s=timeout_s, keys=keys) for url in router.receivers()],
-                                probe)
+        def endpoints() -> list[VllmHttpEndpoint]:
+            return [VllmHttpEndpoint(url, timeout_s=spec.vllm.update_timeout_s, keys=keys, in_flight=spec.vllm.in_flight)
+                    for url in router.receivers()]
+
+        return VllmShmTransport(endpoints, probe)
 
     kind = ServerKind(
         command=command,

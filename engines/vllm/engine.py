@@ -39,7 +39,7 @@ import uuid
 from collections.abc import AsyncIterator, Iterator, Sequence
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from tandem.core.protocols import GenerationRequest
 from tandem.core.records import FinishReason, ResumePolicy, Trajectory, token_trajectory
@@ -50,7 +50,7 @@ from tandem.engines.shared.threads import ClosesOnAThread
 from tandem.engines.text.rollout import validate_request
 from tandem.param_sync import BucketHeader, LoadReport, Manifest
 
-__all__ = ["WORKER_EXTENSION", "VllmRolloutEngine", "VllmSettings", "eos_token_ids", "token_versions", "vllm_environment"]
+__all__ = ["WORKER_EXTENSION", "InFlight", "VllmRolloutEngine", "VllmSettings", "eos_token_ids", "token_versions", "vllm_environment"]
 
 WORKER_EXTENSION = "tandem.engines.vllm.worker.TandemWorkerExtension"
 
@@ -125,6 +125,9 @@ def vllm_environment(env: dict[str, str]) -> Iterator[None]:
                 else:
                     os.environ[key] = value
 
+# What a weight update does with requests in flight (vLLM's pause modes that lose no tokens).
+InFlight = Literal["keep", "wait"]
+
 
 class VllmRolloutEngine(ClosesOnAThread):
     """Implements :class:`core.protocols.RolloutEngine` over vLLM's ``AsyncLLM``."""
@@ -143,6 +146,7 @@ class VllmRolloutEngine(ClosesOnAThread):
         worker_extension: str = WORKER_EXTENSION,
         startup_timeout_s: float = 300.0,
         update_timeout_s: float = 120.0,
+        in_flight: InFlight = "keep",
     ) -> None:
         from vllm.engine.arg_utils import AsyncEngineArgs
 
@@ -150,6 +154,9 @@ class VllmRolloutEngine(ClosesOnAThread):
         self._settings = settings or VllmSettings()
         self._version = start_version
         self._update_timeout_s = update_timeout_s
+        # How a weight update treats requests in flight (``engines.vllm.in_flight``); read at each
+        # update, so it may be changed between updates.
+        self.in_flight: InFlight = in_flight
         if max_model_len is None:
             from transformers import AutoConfig
 
@@ -317,7 +324,7 @@ class VllmRolloutEngine(ClosesOnAThread):
 
     async def _load_now(self, segment: str, manifest: Manifest, headers: list[BucketHeader]) -> LoadReport:
         t0 = time.perf_counter()
-        await self._llm.pause_generation(mode="keep", clear_cache=True)
+        await self._llm.pause_generation(mode=self.in_flight, clear_cache=True)
         try:
             layout = {"segment": segment, "manifest": manifest_to_json(manifest), "headers": [header_to_json(h) for h in headers]}
             # No timeout inside vLLM: a worker answering after its RPC timed out desyncs the engine

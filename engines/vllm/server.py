@@ -34,7 +34,7 @@ from tandem.engines.server.auth import ApiKeys
 from tandem.engines.server.client import ServerClient, ServerError
 from tandem.engines.server.schemas import GenerateResponse, ModelInfo, header_to_json, manifest_to_json
 from tandem.engines.server.weights import post_json
-from tandem.engines.vllm.engine import WORKER_EXTENSION, VllmSettings, token_versions
+from tandem.engines.vllm.engine import WORKER_EXTENSION, InFlight, VllmSettings, token_versions
 from tandem.param_sync import BucketHeader, LoadReport, Manifest
 
 __all__ = ["VllmHttpEndpoint", "VllmServerClient", "vllm_command", "vllm_key_env", "vllm_server_env"]
@@ -130,10 +130,11 @@ def _parsed(text: str) -> dict[str, Any]:
 class VllmHttpEndpoint:
     """One vLLM server as the weight sync sees it (blocking calls, from the sync's send thread)."""
 
-    def __init__(self, url: str, *, timeout_s: float, keys: ApiKeys | None = None) -> None:
+    def __init__(self, url: str, *, timeout_s: float, keys: ApiKeys | None = None, in_flight: InFlight = "keep") -> None:
         self.url = url
         self._timeout_s = timeout_s
         self._keys = keys
+        self._in_flight = in_flight
 
     def _post(self, path: str, body: Any) -> Any:
         status, answer = post_json(self.url, path, body, self._timeout_s, self._keys)
@@ -144,7 +145,7 @@ class VllmHttpEndpoint:
     def load_from_shm(self, segment: str, manifest: Manifest, headers: Sequence[BucketHeader]) -> LoadReport:
         t0 = time.perf_counter()
         try:
-            self._post("/pause?mode=keep&clear_cache=true", {})
+            self._post(f"/pause?mode={self._in_flight}&clear_cache=true", {})
         except (OSError, ServerError) as exc:
             return LoadReport(self.url, -1, False, f"server gone: {exc}")
         resume = True

@@ -68,7 +68,7 @@ def max_gap(a: list[float], b: list[float]) -> float:
 
 
 async def train_on(trainer: TorchTrainEngine, samples: list[Trajectory]) -> None:
-    from test_torch_train import pg_loss
+    from tests.unit.engines.trainers.test_torch_train import pg_loss
 
     for i, t in enumerate(samples):
         t.advantage = 1.0 if i % 2 == 0 else -1.0
@@ -129,6 +129,32 @@ async def test_tokens_across_a_kept_update_carry_the_version_of_the_weights_that
         assert max_gap(t.behaviour_logprobs[:m], lp_old[:m]) < 1e-4
         assert max_gap(t.behaviour_logprobs[m:], lp_new[m:]) < 1e-4
         assert max_gap(t.behaviour_logprobs[m:], lp_old[m:]) > 1e-2  # and the update did change them
+
+
+async def test_with_in_flight_wait_an_update_lands_once_the_requests_in_flight_finish_under_the_old_weights(
+    vllm_engine: VllmRolloutEngine, vllm_model_dir: Path, probe: WeightProbe
+) -> None:
+    async with (
+        TorchTrainEngine(str(vllm_model_dir), lr=5e-2, temperature=1.0) as trainer,
+        TorchLogProbEngine(str(vllm_model_dir), temperature=1.0) as old_policy,
+    ):
+        old = vllm_engine.version + 1
+        await push(vllm_engine, probe, snapshot(trainer), old)
+        await train_on(trainer, await sample(vllm_engine, requests(8)))
+        running = asyncio.ensure_future(sample(vllm_engine, requests(200, per_prompt=8)))
+        await asyncio.sleep(1.0)
+        assert not running.done()
+        vllm_engine.in_flight = "wait"  # engines.vllm.in_flight=wait
+        try:
+            await push(vllm_engine, probe, snapshot(trainer), old + 1)
+        finally:
+            vllm_engine.in_flight = "keep"
+        assert vllm_engine.version == old + 1
+        samples = await asyncio.wait_for(running, timeout=30)
+        lp_old = await old_policy.logprobs(samples)
+    # The update waited for them: every token was sampled, and scores, under the old weights.
+    assert all(t.versions == [old] * 200 and t.resumed is None for t in samples)
+    assert all(max_gap(t.behaviour_logprobs, lp) < 1e-4 for t, lp in zip(samples, lp_old, strict=True))
 
 
 async def test_the_probe_fails_a_sync_that_did_not_land_as_sent(
