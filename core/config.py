@@ -513,6 +513,9 @@ class TorchEnginesConfig(_Model):
     model_path: Path | None = None
     """A local Hugging Face checkpoint folder (model + tokenizer); relative paths are taken from
     the working directory, then from the project root. None: the model the task ships."""
+    chat_template: str | None = None
+    """A Jinja chat template (the string, or a file's path) replacing the tokenizer's, or giving
+    one to a model that has none; chat prompts need one. The exported checkpoint carries it."""
     device: str = "cpu"
     """torch device for every engine: ``cpu``, ``cuda``, ``cuda:1``..."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
@@ -747,8 +750,14 @@ class TaskConfig(_Model):
     options: dict[str, Any] = Field(default_factory=dict)
     """Keyword arguments for the task's factory (task-specific)."""
     data_path: Path | None = None
-    """JSONL or Parquet file of ``{"prompt", "answer", ...}`` rows to train on instead of the
-    task's own items (other columns reach rewards as ``meta``)."""
+    """JSONL or Parquet file of rows to train on instead of the task's own items: ``{"prompt",
+    "answer"}``, with ``prompt`` a string or a list of chat messages (TRL's conversational rows),
+    or verl's RL rows (other columns reach rewards as ``meta``; see ``tasks.dataset``)."""
+    data_format: Literal["auto", "plain", "verl"] = "auto"
+    """The rows of ``data_path``: ``plain`` (the answer is the ``answer`` column), ``verl`` (it is
+    ``reward_model.ground_truth``), ``auto`` (``verl`` when there is a ``reward_model`` column)."""
+    system_prompt: str | None = None
+    """A system message put first in every chat prompt that has none (string prompts are used as is)."""
     rewards: list[RewardFunctionConfig] = Field(default_factory=list)
     """Reward functions replacing the task's own; several are combined by their weights."""
     reward_timeout_s: float = Field(10.0, gt=0)

@@ -88,7 +88,9 @@ def with_task_model(config: TandemConfig, task: Task) -> TandemConfig:
 
 def training_items(config: TandemConfig, task: Task) -> PromptSource:
     """The items to train on: ``task.data_path``'s rows if the config names a file, else the task's."""
-    return FileItems(config.task.data_path) if config.task.data_path is not None else task.items
+    if config.task.data_path is None:
+        return task.items
+    return FileItems(config.task.data_path, data_format=config.task.data_format)
 
 
 def build_components(config: TandemConfig) -> Components:
