@@ -16,7 +16,7 @@ from typing import Any
 from tandem.core.components import Components, PromptSource, TaskSetup
 from tandem.core.config import ConfigError, TandemConfig
 from tandem.core.records import Trajectory
-from tandem.core.task import RewardFunction, Task
+from tandem.core.task import RewardFunction, Task, held_out_measure
 from tandem.engines.rewards import TaskReward
 from tandem.tasks.dataset import FileItems
 from tandem.tasks.registry import load_task
@@ -122,4 +122,5 @@ def build_components(config: TandemConfig) -> Components:
         reward.close()
         raise
     components.close_callbacks.append(reward.close)
+    components.held_out_measure = held_out_measure(task, [f.name for f in reward_functions(config, task)])
     return components

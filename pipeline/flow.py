@@ -376,7 +376,7 @@ def _summary(result: FlowResult) -> dict[str, Any]:
         "ledger": result.ledger,
         "resumed_from_version": result.resumed_from_version,
         "degradations": sum(m.degraded for m in result.mode_changes),
-        "validation": [{"version": v.version, "reward_mean": v.reward_mean, "accuracy": v.accuracy}
+        "validation": [{"version": v.version, "reward_mean": v.reward_mean, "measure": v.measure, v.measure: v.score}
                        for v in result.validations],
         "roles_busy_fraction": {name: r.busy_fraction for name, r in result.roles.items()},
     }
