@@ -49,6 +49,10 @@ class PromptEncoder:
         if chat_template is not None:
             tokenizer.chat_template = read_chat_template(chat_template)
 
+    @property
+    def has_template(self) -> bool:
+        return bool(getattr(self.tokenizer, "chat_template", None))
+
     def __call__(self, item: TaskItem) -> list[int]:
         if item.messages is None:
             return list(self.tokenizer(item.prompt)["input_ids"])
@@ -56,7 +60,7 @@ class PromptEncoder:
 
     def chat(self, messages: Any) -> list[int]:
         """The ids of a conversation rendered for the model's next (assistant) turn."""
-        if not getattr(self.tokenizer, "chat_template", None):
+        if not self.has_template:
             raise ConfigError(
                 f"engines.model_path {self.model_path}: the model's tokenizer has no chat template, and the "
                 "prompts are chat messages; give engines.chat_template (a Jinja file or string) or string prompts"
@@ -65,3 +69,24 @@ class PromptEncoder:
         if self.system_prompt is not None and messages[0].get("role") != "system":
             messages.insert(0, {"role": "system", "content": self.system_prompt})
         return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+
+    def turn(self, text: str, *, closed: bool) -> list[int]:
+        """The ids of a user turn ``text`` after the model's turn, then the next turn's generation
+        prompt: what the template writes after an assistant message's content, less the
+        end-of-turn token when the model already wrote it (``closed``)."""
+        sentinel = "\x00tandem\x00"
+        before = [{"role": "user", "content": "."}, {"role": "assistant", "content": sentinel}]
+        prefix = self.tokenizer.apply_chat_template(before, tokenize=False)
+        rendered = self.tokenizer.apply_chat_template(
+            [*before, {"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+        )
+        if not rendered.startswith(prefix) or sentinel not in prefix:
+            raise ConfigError(
+                f"engines.model_path {self.model_path}: the chat template rewrites earlier turns, so an episode's "
+                "observations cannot be appended turn by turn; give engines.chat_template"
+            )
+        between = prefix[prefix.rindex(sentinel) + len(sentinel) :] + rendered[len(prefix) :]
+        eos = self.tokenizer.eos_token
+        if closed and eos and between.startswith(eos):
+            between = between[len(eos) :]
+        return list(self.tokenizer(between, add_special_tokens=False)["input_ids"])

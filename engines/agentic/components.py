@@ -25,7 +25,13 @@ from tandem.core.protocols import RolloutEngine
 from tandem.engines.agentic.registry import load_workflow
 from tandem.engines.agentic.workflow import WorkflowContext
 from tandem.engines.tokenizer import load_tokenizer
-from tandem.engines.torch_components import build_torch_components, prompt_budget, resolve_model_path, sampling_params
+from tandem.engines.torch_components import (
+    build_torch_components,
+    prompt_budget,
+    prompt_encoder,
+    resolve_model_path,
+    sampling_params,
+)
 
 __all__ = ["build_episode_components", "build_ray_episode_components", "episode_budget"]
 
@@ -73,6 +79,7 @@ def _with_workflow(config: TandemConfig, setup: TaskSetup, components: Component
             engine=engine, tokenizer=tokenizer, sampling=sampling_params(config), context_tokens=context_tokens,
             max_episodes=agentic.max_episodes, task=setup.task, environments=runner,
             environment=task.environment() if task is not None else None,
+            prompts=prompt_encoder(config, tokenizer, setup.items),
         ))
     except BaseException:
         runner.shutdown()

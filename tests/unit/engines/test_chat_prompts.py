@@ -121,3 +121,38 @@ def test_a_chat_data_file_trains_on_the_templates_prompt_ids(chat_model_dir: Pat
         question = next(q for q in QUESTIONS if tokenizer.decode(t.payload.prompt_ids).find(q) >= 0)
         assert t.payload.prompt_ids == expected[question]
     assert max((after[k] - before[k]).abs().max().item() for k in before) > 0
+
+
+async def test_an_episode_with_a_chat_model_is_the_conversation_its_template_renders(chat_model_dir: Path) -> None:
+    import functools
+
+    from agentic_for_tests import ScriptedEnvironment, first_observation
+
+    from tandem.core.environment import EnvironmentRunner
+    from tandem.core.protocols import RolloutRequest, SamplingParams
+    from tandem.core.records import PromptGroup
+    from tandem.engines.agentic import EnvironmentManager, WorkflowContext
+    from tandem.engines.hf_rollout import HFRolloutEngine
+
+    tokenizer = load_tokenizer(chat_model_dir)
+    group = PromptGroup(0, TaskItem(first_observation(7), meta={"seed": 7}), 1)
+    runner = EnvironmentRunner(timeout_s=5.0)
+    try:
+        async with HFRolloutEngine(str(chat_model_dir), max_batch_size=4) as engine:
+            workflow = EnvironmentManager(WorkflowContext(
+                engine=engine, tokenizer=tokenizer, sampling=SamplingParams(max_new_tokens=3), context_tokens=400,
+                max_episodes=1, environments=runner, environment=functools.partial(ScriptedEnvironment, turns=3),
+                prompts=PromptEncoder(tokenizer, chat_model_dir),
+            ))
+            [episode] = [t async for t in workflow.rollout([RolloutRequest(group, 0, seed=5)])]
+    finally:
+        runner.shutdown()
+    payload = episode.payload
+    conversation: list[dict[str, str]] = []
+    for observation, action in zip([first_observation(7), "b1=", "b2="], payload.actions, strict=True):
+        conversation += [{"role": "user", "content": observation}, {"role": "assistant", "content": action}]
+    before_last_turn = tokenizer.apply_chat_template(conversation[:-1], add_generation_prompt=True, tokenize=False)
+    transcript = tokenizer.decode(payload.prompt_ids + payload.response_ids, skip_special_tokens=False)
+    assert transcript.startswith(before_last_turn)
+    assert transcript[len(before_last_turn) :].removesuffix("<|im_end|>") == payload.actions[-1]
+    assert payload.prompt_ids == PromptEncoder(tokenizer, chat_model_dir).chat([conversation[0]])
