@@ -209,6 +209,8 @@ class AsyncTrainingFlow:
             self.machines, self.channels, services.clock, services.ledger, services.gate, run.start_s
         )
         history.on_step(metrics.observe_step)
+        # The series of the task's held-out measure exists from the start, as the other gauges do.
+        metrics.validation_measure.labels(run.components.held_out_measure.name)
         history.on_validation(metrics.observe_validation)
         history.on_sync(metrics.observe_sync)
         if run.run_dir is not None:
