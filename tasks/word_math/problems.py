@@ -1,12 +1,12 @@
 """Word problems with exact answers: the generator, the chat prompt and the worked response.
 
-Four kinds, drawn uniformly, each a short sentence about small numbers whose answer is an
-integer, a fraction or a decimal::
+Four kinds, drawn uniformly, each a short sentence about small numbers (a tiny model learns them
+in minutes) whose answer is an integer, a fraction or a decimal::
 
     sam has 12 pens and gets 7. how many now?        12+7=\\boxed{19}
     sam has 12 pens and gives 7 away. how many left?  12-7=\\boxed{5}
     6 pies for 4 kids. how much pie each?             6/4=\\boxed{3/2}
-    a cap is 1.5, a pen is 2.25. what is the total?   1.5+2.25=\\boxed{3.75}
+    a cap is 1.5, a pen is 2.7. what is the total?    1.5+2.7=\\boxed{4.2}
 
 A prompt is one user message (the model's chat template renders it); the response writes the
 operation, then the answer in ``\\boxed{}``, which the ``math`` reward checks for equivalence
@@ -40,14 +40,14 @@ class Problem(TypedDict):
 
 
 def _decimal(rng: random.Random) -> str:
-    return f"{rng.randint(1, 9)}.{rng.choice([rng.randint(1, 9), rng.randint(10, 99)])}".rstrip("0")
+    return f"{rng.randint(1, 9)}.{rng.randint(1, 9)}"
 
 
 def sample_problem(rng: random.Random) -> Problem:
     """One problem of a kind drawn uniformly."""
     kind = rng.randrange(4)
     if kind < 2:
-        name, thing, a, b = rng.choice(NAMES), rng.choice(THINGS), rng.randint(2, 40), rng.randint(1, 20)
+        name, thing, a, b = rng.choice(NAMES), rng.choice(THINGS), rng.randint(2, 20), rng.randint(1, 9)
         if kind == 0:
             question, expression, value = f"{name} has {a} {thing}s and gets {b}. how many now?", f"{a}+{b}", a + b
         else:

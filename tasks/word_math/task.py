@@ -13,8 +13,8 @@ from tandem.tasks.word_math.problems import REPORT_SEED, Problem, generate_probl
 __all__ = ["MAX_RESPONSE_TOKENS", "MODEL_DIR", "WordMathTask", "make_task"]
 
 MODEL_DIR = Path(__file__).resolve().parent / "model"
-# The longest reference response ("9.99+9.99=\boxed{19.98}", 23 characters) plus its end of turn.
-MAX_RESPONSE_TOKENS = 24
+# The longest reference response ("9.9+9.9=\boxed{19.8}", 20 characters) plus its end of turn.
+MAX_RESPONSE_TOKENS = 21
 _CHUNK = 1024  # problems generated per seed block of the training stream
 
 
