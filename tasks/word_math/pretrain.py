@@ -1,6 +1,6 @@
 """Pretrain the small chat model that ships with the word_math task, and record how good it is.
 
-Owns the model (a ~0.35 M-parameter Llama decoder), its character tokenizer
+Owns the model (a ~0.45 M-parameter Llama decoder), its character tokenizer
 (``tasks.char_tokenizer``, with ChatML markers as special tokens) and its chat template, and the
 recipe that produced the shipped weights: the shared loop of ``tasks.pretraining`` on generated
 problems rendered through that template, loss on the reference response only, stopped as soon as
