@@ -57,7 +57,8 @@ class HeldOutMeasure:
     reward reaches ``threshold``, under ``name`` (an identifier: ``exact_answer``, ``recognized``).
 
     ``component`` names one reward function whose unweighted value is compared instead of the
-    weighted sum (a judge's verdict, apart from a shaping term weighed in beside it). A sample
+    weighted sum (a judge's verdict, apart from a shaping term weighed in beside it); when that
+    function is the run's only one, the reward carries no components and is its value. A sample
     whose reward failed never meets the measure.
     """
 
@@ -68,7 +69,8 @@ class HeldOutMeasure:
     def met_by(self, result: RewardResult) -> bool:
         if not result.ok:
             return False
-        value = result.reward if self.component is None else (result.components or {}).get(self.component, 0.0)
+        components = result.components
+        value = result.reward if self.component is None or components is None else components.get(self.component, 0.0)
         return value >= self.threshold
 
 

@@ -23,6 +23,7 @@ from tests.conftest import make_config, run_virtual
     [
         (RewardResult(1.05, components={"ocr": 0.55, "ink": 0.5}), True),
         (RewardResult(1.4, components={"ocr": 0.3, "ink": 1.0}), False),  # a high total, yet not recognized
+        (RewardResult(0.55), True),  # the judge alone: its value is the reward
         (RewardResult(0.0, ok=False, info="timed out", components={"ocr": 0.9}), False),  # a failed reward never counts
     ],
 )
