@@ -198,7 +198,7 @@ def main() -> None:
         "ledger": {**ledger, "balanced_at_end": balanced},
         "sync_failures": services.gate.syncs.failures,
         "degradations": sum(m.degraded for m in result.mode_changes),
-        "validations": [{"version": v.version, "accuracy": v.accuracy} for v in result.validations],
+        "validations": [{"version": v.version, v.measure: v.score} for v in result.validations],
         "staleness_counts": result.staleness_counts,
     }
 

@@ -14,7 +14,7 @@ from typing import Protocol
 
 from tandem.core.protocols import LogProbEngine, Reward, RolloutWorkflow, TrainEngine, ValueEngine, WeightSync
 from tandem.core.records import TaskItem
-from tandem.core.task import Task
+from tandem.core.task import HeldOutMeasure, Task
 
 __all__ = ["Components", "PromptSource", "TaskSetup"]
 
@@ -53,6 +53,7 @@ class Components:
     save_checkpoint: Callable[[Path], Awaitable[None]] | None = None  # final weights, loadable by from_pretrained
     max_prompt_tokens: int | None = None  # longer prompts are dropped at admission (recorded); None: no limit
     held_out: Callable[[int], list[TaskItem]] | None = None  # held_out(n): the same n evaluation items each call
+    held_out_measure: HeldOutMeasure = field(default_factory=HeldOutMeasure)  # the task's (set by the builder)
 
     def close(self) -> None:
         """Release engine threads and resources; safe to call once the flow has stopped."""

@@ -83,7 +83,9 @@ class ValidationRecord:
     ``version`` is the weight version evaluated: every sample started with it. If a weight
     update landed while the evaluation ran, some tokens came from newer weights, up to
     ``max_token_version`` (equal to ``version`` when the evaluation saw one version only).
-    ``accuracy`` is the fraction of samples with full reward (>= 1.0).
+    ``score`` is the share of samples that met the task's held-out measure, named ``measure``
+    (:class:`~core.task.HeldOutMeasure`: ``exact_answer``, ``recognized``, ``accuracy``...); its
+    row carries the score under that name.
     """
 
     version: int
@@ -92,10 +94,13 @@ class ValidationRecord:
     duration_s: float
     samples: int
     reward_mean: float
-    accuracy: float
+    measure: str
+    score: float
 
     def to_json(self) -> dict[str, Any]:
-        return {"kind": "validation", **asdict(self), "reward_mean": _finite_or_none(self.reward_mean)}
+        row = {"kind": "validation", **asdict(self), "reward_mean": _finite_or_none(self.reward_mean)}
+        row[self.measure] = row.pop("score")
+        return row
 
 
 @dataclass(slots=True, frozen=True)

@@ -66,13 +66,17 @@ class TaskItem:
 
     ``prompt`` is its human-readable form (for logs and text rewards), ``answer`` what a
     verifier checks against, ``meta`` anything else the task's workflow or rewards need (an
-    environment seed, a class label). Token workloads fill ``prompt_ids`` when they load it.
+    environment seed, a class label). ``messages``, when set, is the prompt as a chat
+    (``{"role", "content"}`` dicts): token workloads render it through the model's chat
+    template, and ``prompt`` is then its last message's content. Token workloads fill
+    ``prompt_ids`` when they load it.
     """
 
     prompt: str
     prompt_ids: list[int] = field(default_factory=list)
     answer: str | None = None
     meta: Mapping[str, Any] | None = None
+    messages: tuple[Mapping[str, Any], ...] | None = None
 
 
 @dataclass(slots=True)

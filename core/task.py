@@ -10,6 +10,11 @@ Reward functions are plain functions, named by dotted path so worker processes c
 ``response`` is the workload's rendering of a trajectory (the decoded text for text tasks) and
 ``context`` holds whichever of ``prompt``, ``meta`` and ``trajectory`` the function declares.
 Several functions are combined by weights (``RewardFunction.weight``).
+
+A task may name what its held-out evaluation measures (``held_out_measure``, a
+:class:`HeldOutMeasure`: an exact answer, recognition by a judge, an episode's success); the
+summary line, ``summary.json``, the validation rows and the dashboard report it by that name. A
+task that names none is measured by ``accuracy``, the share of samples with full reward.
 """
 
 from __future__ import annotations
@@ -17,11 +22,14 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
 
 from tandem.core.records import TaskItem
 
-__all__ = ["RewardFunction", "Task", "TrajectoryKind"]
+if TYPE_CHECKING:
+    from tandem.core.protocols import RewardResult
+
+__all__ = ["HeldOutMeasure", "RewardFunction", "Task", "TrajectoryKind", "held_out_measure"]
 
 # Which workload produces a task's trajectories: single-turn token sequences, multi-turn
 # episodes against an environment, or the denoising runs of an image generator.
@@ -41,6 +49,38 @@ class RewardFunction:
     fn: str
     weight: float = 1.0
     runner: Literal["pool", "inline"] = "pool"
+
+
+@dataclass(slots=True, frozen=True)
+class HeldOutMeasure:
+    """What a held-out evaluation reports beside the mean reward: the share of samples whose
+    reward reaches ``threshold``, under ``name`` (an identifier: ``exact_answer``, ``recognized``).
+
+    ``component`` names one reward function whose unweighted value is compared instead of the
+    weighted sum (a judge's verdict, apart from a shaping term weighed in beside it); when that
+    function is the run's only one, the reward carries no components and is its value. A sample
+    whose reward failed never meets the measure.
+    """
+
+    name: str = "accuracy"
+    component: str | None = None
+    threshold: float = 1.0
+
+    def met_by(self, result: RewardResult) -> bool:
+        if not result.ok:
+            return False
+        components = result.components
+        value = result.reward if self.component is None or components is None else components.get(self.component, 0.0)
+        return value >= self.threshold
+
+
+def held_out_measure(task: Task, reward_names: list[str]) -> HeldOutMeasure:
+    """The task's ``held_out_measure`` (``accuracy`` if it names none, or if it reads a reward
+    component that the run's rewards, a config's replacing the task's, do not have)."""
+    measure = getattr(task, "held_out_measure", None)
+    if not isinstance(measure, HeldOutMeasure) or (measure.component is not None and measure.component not in reward_names):
+        return HeldOutMeasure()
+    return measure
 
 
 @runtime_checkable

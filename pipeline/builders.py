@@ -16,7 +16,7 @@ from typing import Any
 from tandem.core.components import Components, PromptSource, TaskSetup
 from tandem.core.config import ConfigError, TandemConfig, import_named
 from tandem.core.records import Trajectory
-from tandem.core.task import RewardFunction, Task
+from tandem.core.task import RewardFunction, Task, held_out_measure
 from tandem.engines.rewards import TaskReward
 from tandem.tasks.dataset import FileItems
 from tandem.tasks.registry import load_task
@@ -88,7 +88,9 @@ def with_task_model(config: TandemConfig, task: Task) -> TandemConfig:
 
 def training_items(config: TandemConfig, task: Task) -> PromptSource:
     """The items to train on: ``task.data_path``'s rows if the config names a file, else the task's."""
-    return FileItems(config.task.data_path) if config.task.data_path is not None else task.items
+    if config.task.data_path is None:
+        return task.items
+    return FileItems(config.task.data_path, data_format=config.task.data_format)
 
 
 def build_components(config: TandemConfig) -> Components:
@@ -119,4 +121,5 @@ def build_components(config: TandemConfig) -> Components:
         reward.close()
         raise
     components.close_callbacks.append(reward.close)
+    components.held_out_measure = held_out_measure(task, [f.name for f in reward_functions(config, task)])
     return components

@@ -136,7 +136,8 @@ def _progress_bar(config: TandemConfig) -> Iterator[Progress]:
 
 def summary_line(result: FlowResult) -> str:
     """steps, wall time, samples/s, reward at start -> end, staleness counts, ledger (with drops
-    per stage and degradations, if any), held-out accuracy first -> last (if validated), run folder.
+    per stage and degradations, if any), the task's held-out measure first -> last, by its name
+    (if validated), run folder.
 
     Start and end are the mean reward of the first and last tenth of the steps: one step's
     batch is too small (its prompts' difficulty varies) to say whether the policy improved.
@@ -151,8 +152,8 @@ def summary_line(result: FlowResult) -> str:
     degradations = sum(m.degraded for m in result.mode_changes)
     validations = result.validations
     held_out = (
-        f"held-out accuracy {validations[0].accuracy:.3f} (v{validations[0].version}) -> "
-        f"{validations[-1].accuracy:.3f} (v{validations[-1].version}), "
+        f"held-out {validations[0].measure.replace('_', ' ')} {validations[0].score:.3f} (v{validations[0].version}) -> "
+        f"{validations[-1].score:.3f} (v{validations[-1].version}), "
         if validations
         else ""
     )

@@ -225,6 +225,8 @@ class AsyncTrainingFlow:
             self.machines, self.channels, services.clock, services.ledger, services.gate, run.start_s
         )
         history.on_step(metrics.observe_step)
+        # The series of the task's held-out measure exists from the start, as the other gauges do.
+        metrics.validation_measure.labels(run.components.held_out_measure.name)
         history.on_validation(metrics.observe_validation)
         history.on_sync(metrics.observe_sync)
         if run.run_dir is not None:
@@ -392,7 +394,7 @@ def _summary(result: FlowResult) -> dict[str, Any]:
         "ledger": result.ledger,
         "resumed_from_version": result.resumed_from_version,
         "degradations": sum(m.degraded for m in result.mode_changes),
-        "validation": [{"version": v.version, "reward_mean": v.reward_mean, "accuracy": v.accuracy}
+        "validation": [{"version": v.version, "reward_mean": v.reward_mean, "measure": v.measure, v.measure: v.score}
                        for v in result.validations],
         "roles_busy_fraction": {name: r.busy_fraction for name, r in result.roles.items()},
     }

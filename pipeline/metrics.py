@@ -14,11 +14,12 @@ Series (all prefixed ``tandem_``): ``policy_version{role}``, ``param_update_lag`
 ``prompts_dropped_total{stage}``, ``ledger_balanced`` (1 while admitted = trained + dropped +
 in flight), ``staleness_bound`` (the k in force for admission), ``degraded`` (1 while failed
 weight syncs hold admission synchronous), ``sync_failures_total``, ``degradations_total``,
-``validation_reward_mean``, ``validation_accuracy``, ``validation_version`` (the weight
-version the latest held-out evaluation ran on), ``rollout_metric{name}`` (a workload's own
-per-trajectory metrics, e.g. turns per episode, averaged over the last step); the lag of every
-trained trajectory, as histograms: ``trajectory_staleness`` (its step minus its first token's
-version), ``trajectory_version_span`` (newest minus oldest token version),
+``validation_reward_mean``, ``validation_measure{measure}`` (the task's held-out measure, by
+its name), ``validation_version`` (the weight version the latest held-out evaluation ran on),
+``rollout_metric{name}`` (a workload's own per-trajectory metrics, e.g. turns per episode,
+averaged over the last step); the lag of every trained trajectory, as histograms:
+``trajectory_staleness`` (its step minus its first token's version), ``trajectory_version_span``
+(newest minus oldest token version),
 ``trajectory_in_flight_seconds`` (request to delivery), ``trajectory_queued_seconds`` (delivery
 to its train step), ``value_staleness`` (with a critic: step minus the critic version of its
 values); ``consumption_total{action}`` (what the train role did with arriving groups: stale,
@@ -164,8 +165,8 @@ class FlowMetrics:
         self.step = Gauge("tandem_train_step", "Optimizer steps done", registry=r)
         self.validation_reward = Gauge("tandem_validation_reward_mean", "Mean held-out reward, latest evaluation",
                                        registry=r)
-        self.validation_accuracy = Gauge("tandem_validation_accuracy", "Held-out accuracy, latest evaluation",
-                                         registry=r)
+        self.validation_measure = Gauge("tandem_validation_measure", "The task's held-out measure, latest evaluation",
+                                        ["measure"], registry=r)
         self.validation_version = Gauge("tandem_validation_version", "Weight version of the latest evaluation",
                                         registry=r)
         self.rollout_metric = Gauge("tandem_rollout_metric", "Mean of a workload's per-trajectory metric, last step",
@@ -231,7 +232,7 @@ class FlowMetrics:
 
     def observe_validation(self, record: ValidationRecord) -> None:
         self.validation_reward.set(record.reward_mean)
-        self.validation_accuracy.set(record.accuracy)
+        self.validation_measure.labels(record.measure).set(record.score)
         self.validation_version.set(record.version)
 
     def serve(self, port: int) -> int:

@@ -3,7 +3,8 @@
 Schedule (``validation.every_versions = N``): the role waits, event-driven, for the loaded
 version to reach the next multiple of N (0 first: the policy before any RL step), then
 generates one sample per held-out prompt with the rollout engine, scores them with the reward,
-and records the result tagged with the weight version every sample started with
+measures them by the task's held-out measure (``core.task.HeldOutMeasure``) and records the
+result tagged with the weight version every sample started with
 (:class:`~core.history.ValidationRecord`; a weight update that lands mid-evaluation is
 reported as ``max_token_version``). Versions it fell behind on are skipped, never queued, and
 one evaluation runs at a time. An evaluation still running when training ends is cancelled and
@@ -26,6 +27,7 @@ from typing import Any
 from tandem.core.history import ValidationRecord
 from tandem.core.protocols import RewardResult, RolloutRequest
 from tandem.core.records import PromptGroup, Trajectory
+from tandem.core.task import HeldOutMeasure
 from tandem.state_machines.base import State, StateMachine
 from tandem.state_machines.generate import request_seed
 
@@ -80,10 +82,12 @@ class ValidateStateMachine(StateMachine):
         trajectories.sort(key=lambda t: t.prompt_id)
         by_id = {r.prompt_id: r.group for r in requests}
         results = await components.reward.score(trajectories, [by_id[t.prompt_id] for t in trajectories])
-        return _record(trajectories, results, loop.time(), loop.time() - started)
+        return _record(trajectories, results, components.held_out_measure, loop.time(), loop.time() - started)
 
 
-def _record(trajectories: list[Trajectory], results: list[RewardResult], now: float, duration: float) -> ValidationRecord:
+def _record(
+    trajectories: list[Trajectory], results: list[RewardResult], measure: HeldOutMeasure, now: float, duration: float
+) -> ValidationRecord:
     if len(results) != len(trajectories):
         raise ValueError(f"reward returned {len(results)} results for {len(trajectories)} validation trajectories")
     rewards = [r.reward if r.ok else 0.0 for r in results]
@@ -94,5 +98,6 @@ def _record(trajectories: list[Trajectory], results: list[RewardResult], now: fl
         duration_s=duration,
         samples=len(trajectories),
         reward_mean=statistics.fmean(rewards),
-        accuracy=sum(r >= 1.0 for r in rewards) / len(rewards),
+        measure=measure.name,
+        score=sum(measure.met_by(r) for r in results) / len(results),
     )

@@ -242,6 +242,9 @@ class TorchEnginesConfig(Section):
     model_path: Path | None = None
     """A local Hugging Face checkpoint folder (model + tokenizer); relative paths are taken from
     the working directory, then from the project root. None: the model the task ships."""
+    chat_template: str | None = None
+    """A Jinja chat template (the string, or a file's path) replacing the tokenizer's, or giving
+    one to a model that has none; chat prompts need one. The exported checkpoint carries it."""
     device: str = "cpu"
     """torch device for every engine: ``cpu``, ``cuda``, ``cuda:1``..."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"

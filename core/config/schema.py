@@ -79,9 +79,9 @@ class TandemConfig(Section):
         check_cluster(self)
         check_rollout_placement(self)
         check_algorithm_stages(self)
-        check_objective_inputs(self)
         if self.engines.type != "fake" and self.task.name is None:
             raise ValueError(f"task.name: engines.type={self.engines.type} trains a real model: name its task")
+        check_objective_inputs(self)
         return self
 
     @model_validator(mode="after")

@@ -106,8 +106,14 @@ class TaskConfig(Section):
     options: dict[str, Any] = Field(default_factory=dict)
     """Keyword arguments for the task's factory (task-specific)."""
     data_path: Path | None = None
-    """JSONL or Parquet file of ``{"prompt", "answer", ...}`` rows to train on instead of the
-    task's own items (other columns reach rewards as ``meta``)."""
+    """JSONL or Parquet file of rows to train on instead of the task's own items: ``{"prompt",
+    "answer"}``, with ``prompt`` a string or a list of chat messages (TRL's conversational rows),
+    or verl's RL rows (other columns reach rewards as ``meta``; see ``tasks.dataset``)."""
+    data_format: Literal["auto", "plain", "verl"] = "auto"
+    """The rows of ``data_path``: ``plain`` (the answer is the ``answer`` column), ``verl`` (it is
+    ``reward_model.ground_truth``), ``auto`` (``verl`` when there is a ``reward_model`` column)."""
+    system_prompt: str | None = None
+    """A system message put first in every chat prompt that has none (string prompts are used as is)."""
     rewards: list[RewardFunctionConfig] = Field(default_factory=list)
     """Reward functions replacing the task's own; several are combined by their weights."""
     reward_timeout_s: float = Field(10.0, gt=0)

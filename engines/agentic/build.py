@@ -26,7 +26,7 @@ from tandem.engines.agentic.registry import load_workflow
 from tandem.engines.agentic.workflow import WorkflowContext
 from tandem.engines.build import build_text_components
 from tandem.engines.shared.tokenizer import load_tokenizer
-from tandem.engines.text.build import prompt_budget, resolve_model_path, sampling_params
+from tandem.engines.text.build import prompt_budget, prompt_encoder, resolve_model_path, sampling_params
 
 __all__ = ["build_episode_components", "build_ray_episode_components", "episode_budget"]
 
@@ -74,6 +74,7 @@ def _with_workflow(config: TandemConfig, setup: TaskSetup, components: Component
             engine=engine, tokenizer=tokenizer, sampling=sampling_params(config), context_tokens=context_tokens,
             max_episodes=agentic.max_episodes, task=setup.task, environments=runner,
             environment=task.environment() if task is not None else None,
+            prompts=prompt_encoder(config, tokenizer, setup.items),
         ))
     except BaseException:
         runner.shutdown()

@@ -11,6 +11,8 @@ it out): the first prompt is the first observation encoded with the tokenizer's 
 a model turn is one completion of at most ``rollout.max_new_tokens`` tokens, normally ending on
 the end-of-turn (eos) token; the environment receives the turn's text without that token and
 its next observation is appended, encoded without special tokens, as the next turn's prompt.
+A model with a chat template reads each observation as a user turn through that template
+instead (``EpisodeEngine.message``), so an episode is the conversation the template would render.
 The observation the last step returns is not appended (no turn follows it).
 
 The trajectory: model tokens trained, observation tokens masked out (``TrajectoryBuilder``);
@@ -82,7 +84,7 @@ class EnvironmentManager(AgentWorkflow):
         async with self.environments.open(self.environment) as session:
             engine.span("environment open", opening, loop.time())
             observation, _ = await _timed(engine, "environment reset", session.reset(seed))
-            episode = engine.trajectory(engine.encode(observation, first=True))
+            episode = engine.trajectory(engine.message(observation))
             while len(episode) + turn_tokens <= engine.context_tokens:
                 turn = await engine.generate(episode.context)
                 episode.add_completion(turn)
@@ -96,7 +98,7 @@ class EnvironmentManager(AgentWorkflow):
                     outcome = "terminated" if result.terminated else "turn_limit"
                     finish = FinishReason.STOP if result.terminated else FinishReason.TRUNCATED
                     break
-                observation_ids = engine.encode(result.observation)
+                observation_ids = engine.message(result.observation, after=turn)
                 if len(episode) + len(observation_ids) + turn_tokens > engine.context_tokens:
                     break  # no room for another turn: truncated by the context budget
                 episode.add_tokens(observation_ids)

@@ -62,6 +62,7 @@ from tandem.core.records import FinishReason, ResumePolicy, TaskItem, Trajectory
 from tandem.core.task import Task
 from tandem.core.trace import TraceRecorder
 from tandem.engines.agentic.payload import EpisodePayload
+from tandem.engines.shared.chat import PromptEncoder
 
 __all__ = [
     "AgentWorkflow",
@@ -85,7 +86,8 @@ class WorkflowContext:
 
     ``context_tokens`` is an episode's token budget, first prompt through last turn (the model's
     context, or less by config). ``environments`` runs environments off the event loop and
-    ``environment`` builds the task's (both None for a task without one).
+    ``environment`` builds the task's (both None for a task without one). ``prompts`` renders
+    messages through the model's chat template (``EpisodeEngine.message``; None: plain tokens).
     """
 
     engine: RolloutEngine
@@ -96,6 +98,7 @@ class WorkflowContext:
     task: Task | None = None
     environments: EnvironmentRunner | None = None
     environment: EnvironmentFactory | None = None
+    prompts: PromptEncoder | None = None
 
 
 @dataclass(slots=True, frozen=True)
@@ -195,6 +198,7 @@ class EpisodeEngine:
     def __init__(self, context: WorkflowContext, request: RolloutRequest, workflow: AgentWorkflow, slot: int) -> None:
         self.request = request
         self.tokenizer = context.tokenizer
+        self._prompts = context.prompts
         self.sampling = context.sampling
         self.context_tokens = context.context_tokens
         self.start_version = context.engine.version
@@ -219,6 +223,18 @@ class EpisodeEngine:
         """Token ids of ``text``; ``first`` adds the tokenizer's special tokens (``<bos>``), as a
         first prompt has them and later pieces of an episode do not."""
         return list(self.tokenizer(text, add_special_tokens=first)["input_ids"])
+
+    def message(self, text: str, *, after: Completion | None = None) -> list[int]:
+        """Token ids of a message to the model (an environment's observation): the episode's first
+        (``after`` None) or the one after the model's turn ``after``, rendered through the model's
+        chat template as a user turn and the next turn's generation prompt when the model has a
+        template, else its plain tokens (``encode``)."""
+        if self._prompts is None or not self._prompts.has_template:
+            return self.encode(text, first=after is None)
+        if after is None:
+            return self._prompts.chat([{"role": "user", "content": text}])
+        closed = after.finish_reason is FinishReason.STOP and bool(after.ids) and after.ids[-1] in self._eos_ids
+        return self._prompts.turn(text, closed=closed)
 
     def trajectory(self, prompt_ids: Sequence[int]) -> TrajectoryBuilder:
         return TrajectoryBuilder(self, prompt_ids)

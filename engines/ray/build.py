@@ -397,6 +397,7 @@ def build_ray_components(config: TandemConfig, setup: TaskSetup) -> Components:
     from tandem.engines.shared.tokenizer import load_tokenizer
     from tandem.engines.text.build import (
         prompt_budget,
+        prompt_encoder,
         resolve_model_path,
         rollout_engine,
         sampling_params,
@@ -410,6 +411,7 @@ def build_ray_components(config: TandemConfig, setup: TaskSetup) -> Components:
     assert isinstance(spec, TorchEnginesConfig)
     tokenizer = load_tokenizer(str(resolve_model_path(spec.model_path)))
     max_prompt_tokens = prompt_budget(config, tokenizer)  # before any actor starts: bad input fails fast
+    encode = prompt_encoder(config, tokenizer, setup.items)
     cluster = _Cluster(started_ray=connect(config))
     try:
         plan = cluster_plan(config)
@@ -466,8 +468,8 @@ def build_ray_components(config: TandemConfig, setup: TaskSetup) -> Components:
         await asyncio.to_thread(tokenizer.save_pretrained, folder)
 
     return Components(
-        prompts=tokenized(setup.items, tokenizer),
-        held_out=tokenized_held_out(setup.task, tokenizer),
+        prompts=tokenized(setup.items, encode),
+        held_out=tokenized_held_out(setup.task, encode),
         workflow=SingleTurnWorkflow(rollout, sampling_params(config)),
         trainer=group if group is not None else RayTrainEngine(trainer),
         reward=RayReward(reward),

@@ -124,6 +124,7 @@ def build_server_components(config: TandemConfig, setup: TaskSetup, kind: Server
     from tandem.engines.shared.tokenizer import load_tokenizer
     from tandem.engines.text.build import (
         prompt_budget,
+        prompt_encoder,
         reference_engine,
         resolve_model_path,
         sampling_params,
@@ -141,6 +142,7 @@ def build_server_components(config: TandemConfig, setup: TaskSetup, kind: Server
     model_path = str(resolve_model_path(spec.model_path))
     tokenizer = load_tokenizer(model_path)
     max_prompt_tokens = prompt_budget(config, tokenizer)  # before anything starts: bad input fails fast
+    encode = prompt_encoder(config, tokenizer, setup.items)
     agent = load_agent(servers.agent) if servers.agent is not None else None
 
     def decode(ids: list[int]) -> str:
@@ -207,8 +209,8 @@ def build_server_components(config: TandemConfig, setup: TaskSetup, kind: Server
     closers = [weight_sync.close, router.close, *([fleet.stop] if fleet is not None else []), engine.close,
                *([reference.close] if reference is not None else []), lambda: shutil.rmtree(scratch, ignore_errors=True)]
     return Components(
-        prompts=tokenized(setup.items, tokenizer),
-        held_out=tokenized_held_out(setup.task, tokenizer),
+        prompts=tokenized(setup.items, encode),
+        held_out=tokenized_held_out(setup.task, encode),
         workflow=workflow,
         trainer=engine,
         reward=setup.reward,

@@ -30,6 +30,7 @@ from tandem.core.paths import PACKAGE_ROOT
 from tandem.core.protocols import SamplingParams, WeightSync
 from tandem.core.records import TaskItem
 from tandem.core.task import Task
+from tandem.engines.shared.chat import PromptEncoder
 from tandem.engines.shared.tokenizer import load_tokenizer
 from tandem.engines.shared.weight_sync import TorchWeightSync
 from tandem.engines.text.rollout import HFRolloutEngine
@@ -46,6 +47,7 @@ __all__ = [
     "build_torch_components",
     "embedded_rollout",
     "prompt_budget",
+    "prompt_encoder",
     "reference_engine",
     "resolve_model_path",
     "rollout_engine",
@@ -85,21 +87,36 @@ def thread_budgets(config: TandemConfig, cores: int | None = None) -> tuple[int,
     return spec.generation_threads or share, spec.train_threads or per_rank
 
 
-def tokenized(items: PromptSource, tokenizer: Any) -> PromptSource:
-    """``items`` with each item's prompt tokenized by ``tokenizer`` (the data position is kept)."""
+def prompt_encoder(config: TandemConfig, tokenizer: Any, items: PromptSource) -> PromptEncoder:
+    """The encoder of the run's prompts (``engines.shared.chat``), tried on the first training item so
+    that a chat prompt the model cannot render fails before any engine starts."""
+    spec = config.engines
+    assert isinstance(spec, TorchEnginesConfig)
+    encoder = PromptEncoder(
+        tokenizer, resolve_model_path(spec.model_path), system_prompt=config.task.system_prompt,
+        chat_template=spec.chat_template,
+    )
+    first = next(iter(items(config.run.seed)), None)
+    if first is not None:
+        encoder(first)
+    return encoder
+
+
+def tokenized(items: PromptSource, encode: Callable[[TaskItem], list[int]]) -> PromptSource:
+    """``items`` with each item's prompt ids from ``encode`` (the data position is kept)."""
 
     def source(seed: int, start: int = 0) -> Iterator[TaskItem]:
         for item in items(seed, start):
-            yield replace(item, prompt_ids=list(tokenizer(item.prompt)["input_ids"]))
+            yield replace(item, prompt_ids=encode(item))
 
     return source
 
 
-def tokenized_held_out(task: Task, tokenizer: Any) -> Callable[[int], list[TaskItem]]:
-    """The task's held-out items, tokenized (the validate role's data)."""
+def tokenized_held_out(task: Task, encode: Callable[[TaskItem], list[int]]) -> Callable[[int], list[TaskItem]]:
+    """The task's held-out items with their prompt ids from ``encode`` (the validate role's data)."""
 
     def held_out(n: int) -> list[TaskItem]:
-        return [replace(item, prompt_ids=list(tokenizer(item.prompt)["input_ids"])) for item in task.held_out(n)]
+        return [replace(item, prompt_ids=encode(item)) for item in task.held_out(n)]
 
     return held_out
 
@@ -248,6 +265,7 @@ def build_torch_components(
     gen_threads, train_threads = thread_budgets(config)
     tokenizer = load_tokenizer(str(resolve_model_path(spec.model_path)))
     max_prompt_tokens = prompt_budget(config, tokenizer)  # before any engine starts: bad input fails fast
+    encode = prompt_encoder(config, tokenizer, setup.items)
     engine, checkpoint = trainer_with_export(config, train_threads)
     reference = reference_engine(config, train_threads) if "ref_logp" in config.flow.stages else None
     critic = value_engine(config, train_threads) if "critic" in config.flow.stages else None
@@ -257,8 +275,8 @@ def build_torch_components(
     closers = [weight_sync.close, rollout.close, engine.close] + ([reference.close] if reference else [])
     closers += [critic.close] if critic else []
     return Components(
-        prompts=tokenized(setup.items, tokenizer),
-        held_out=tokenized_held_out(setup.task, tokenizer),
+        prompts=tokenized(setup.items, encode),
+        held_out=tokenized_held_out(setup.task, encode),
         workflow=SingleTurnWorkflow(rollout, sampling_params(config)),
         trainer=engine,
         reward=setup.reward,

@@ -50,7 +50,15 @@ from tandem.engines.shared.threads import ClosesOnAThread
 from tandem.engines.text.rollout import validate_request
 from tandem.param_sync import BucketHeader, LoadReport, Manifest
 
-__all__ = ["WORKER_EXTENSION", "InFlight", "VllmRolloutEngine", "VllmSettings", "eos_token_ids", "token_versions", "vllm_environment"]
+__all__ = [
+    "WORKER_EXTENSION",
+    "InFlight",
+    "VllmRolloutEngine",
+    "VllmSettings",
+    "eos_token_ids",
+    "token_versions",
+    "vllm_environment",
+]
 
 WORKER_EXTENSION = "tandem.engines.vllm.worker.TandemWorkerExtension"
 

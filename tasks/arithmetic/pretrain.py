@@ -21,7 +21,7 @@ import random
 import statistics
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -40,6 +40,7 @@ from tandem.tasks.arithmetic.problems import (
 )
 from tandem.tasks.arithmetic.tokenizer import MODEL_MAX_LENGTH, build_tokenizer
 from tandem.tasks.arithmetic.verifier import verify
+from tandem.tasks.pretraining import BatchStream, Example, train_until
 
 REPORT_PROBLEMS = 200
 
@@ -73,59 +74,16 @@ def build_generation_config(tokenizer: PreTrainedTokenizerFast) -> GenerationCon
     )
 
 
-class _BatchStream:
-    """An endless, seeded stream of (input_ids, attention_mask, labels) training batches.
+def _sample(tokenizer: PreTrainedTokenizerFast) -> Callable[[random.Random], Example]:
+    """Draws one training example: a problem's prompt and its reference scratchpad, then <eos>."""
 
-    Sorting a pool of several batches by length before cutting it keeps the rare long
-    problems together, so short sequences are not padded to the long tail's length.
-    """
+    def sample(rng: random.Random) -> Example:
+        a, b = sample_operands(rng)
+        prompt_ids = tokenizer(format_prompt(a, b))["input_ids"]
+        response_ids = tokenizer(format_response(a, b), add_special_tokens=False)["input_ids"]
+        return prompt_ids, [*response_ids, tokenizer.eos_token_id]
 
-    POOL_BATCHES = 8
-
-    def __init__(self, tokenizer: PreTrainedTokenizerFast, batch_size: int, rng: random.Random) -> None:
-        self._tokenizer = tokenizer
-        self._batch_size = batch_size
-        self._rng = rng
-        self._ready: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-
-    def __iter__(self) -> _BatchStream:
-        return self
-
-    def __next__(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if not self._ready:
-            self._refill()
-        return self._ready.pop()
-
-    def _refill(self) -> None:
-        examples: list[tuple[list[int], list[int]]] = []
-        for _ in range(self._batch_size * self.POOL_BATCHES):
-            a, b = sample_operands(self._rng)
-            prompt_ids = self._tokenizer(format_prompt(a, b))["input_ids"]
-            response_ids = self._tokenizer(format_response(a, b), add_special_tokens=False)["input_ids"]
-            examples.append((prompt_ids, [*response_ids, self._tokenizer.eos_token_id]))
-        examples.sort(key=lambda e: len(e[0]) + len(e[1]))
-        batches = [
-            self._collate(examples[i : i + self._batch_size])
-            for i in range(0, len(examples), self._batch_size)
-        ]
-        self._rng.shuffle(batches)
-        self._ready = batches
-
-    def _collate(
-        self, examples: Sequence[tuple[list[int], list[int]]]
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        width = max(len(p) + len(r) for p, r in examples)
-        input_ids = torch.full((len(examples), width), self._tokenizer.pad_token_id)
-        attention_mask = torch.zeros((len(examples), width), dtype=torch.long)
-        # -100 is ignored by the loss: the model is graded on the response (and <eos>) only,
-        # since the operands in the prompt are random and cannot be predicted.
-        labels = torch.full((len(examples), width), -100)
-        for row, (prompt_ids, response_ids) in enumerate(examples):
-            ids = prompt_ids + response_ids
-            input_ids[row, : len(ids)] = torch.tensor(ids)
-            attention_mask[row, : len(ids)] = 1
-            labels[row, len(prompt_ids) : len(ids)] = torch.tensor(response_ids)
-        return input_ids, attention_mask, labels
+    return sample
 
 
 @dataclass(slots=True, frozen=True)
@@ -197,32 +155,18 @@ def pretrain(args: argparse.Namespace) -> PretrainReport:
     tokenizer = build_tokenizer()
     model = LlamaForCausalLM(build_model_config(tokenizer))
     model.generation_config = build_generation_config(tokenizer)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=0.01)
-    # Linear warm-up, then constant: where training stops is decided by accuracy, not a schedule.
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / args.warmup_steps))
     check_problems = generate_problems(args.check_problems, CHECK_SEED)
-    batches = _BatchStream(tokenizer, args.batch_size, random.Random(args.seed))
+    batches = BatchStream(_sample(tokenizer), tokenizer.pad_token_id, args.batch_size, random.Random(args.seed))
+
+    def check(step: int) -> tuple[float, str]:
+        result = evaluate(model, tokenizer, check_problems, do_sample=True, seed=step)
+        return result.accuracy, f"sampled accuracy {result.accuracy:.3f}  by columns {result.accuracy_by_columns}"
 
     started = time.perf_counter()
-    check_accuracy = 0.0
-    step = 0
-    while step < args.max_steps and check_accuracy < args.target_accuracy:
-        input_ids, attention_mask, labels = next(batches)
-        loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        step += 1
-        if step % args.eval_every == 0:
-            check = evaluate(model, tokenizer, check_problems, do_sample=True, seed=step)
-            check_accuracy = check.accuracy
-            print(
-                f"step {step:5d}  loss {loss.item():.4f}  sampled accuracy {check.accuracy:.3f}  "
-                f"by columns {check.accuracy_by_columns}  {time.perf_counter() - started:.0f}s",
-                flush=True,
-            )
+    step = train_until(
+        model, batches, check, lr=args.lr, warmup_steps=args.warmup_steps, max_steps=args.max_steps,
+        eval_every=args.eval_every, target=args.target_accuracy,
+    )
     train_seconds = time.perf_counter() - started
 
     report_problems = generate_problems(REPORT_PROBLEMS, REPORT_SEED)

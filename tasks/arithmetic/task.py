@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from tandem.core.records import TaskItem
-from tandem.core.task import RewardFunction, TrajectoryKind
+from tandem.core.task import HeldOutMeasure, RewardFunction, TrajectoryKind
 from tandem.tasks.arithmetic.problems import REPORT_SEED, generate_problems
 
 __all__ = ["ArithmeticTask", "make_task"]
@@ -22,6 +22,7 @@ class ArithmeticTask:
     name = "arithmetic"
     kind: TrajectoryKind = "text"
     model_path: Path | None = MODEL_DIR
+    held_out_measure = HeldOutMeasure("exact_answer", component="correct")  # the final line is the sum
 
     def items(self, seed: int, start: int = 0) -> Iterator[TaskItem]:
         first_block, offset = divmod(start, _CHUNK)

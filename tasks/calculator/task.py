@@ -30,7 +30,7 @@ from pathlib import Path
 
 from tandem.core.environment import EnvironmentFactory
 from tandem.core.records import TaskItem
-from tandem.core.task import RewardFunction, TrajectoryKind
+from tandem.core.task import HeldOutMeasure, RewardFunction, TrajectoryKind
 from tandem.tasks.arithmetic import generate_problems
 from tandem.tasks.calculator.environment import MAX_TURNS, CalculatorEnvironment
 
@@ -48,6 +48,7 @@ class CalculatorTask:
     name = "calculator"
     kind: TrajectoryKind = "episode"
     model_path = MODEL_DIR
+    held_out_measure = HeldOutMeasure("success", component="correct")  # the episode ends on the right answer
 
     def __init__(self, max_turns: int = MAX_TURNS) -> None:
         if max_turns < 1:

@@ -22,7 +22,7 @@ from typing import Literal
 import numpy as np
 
 from tandem.core.records import TaskItem
-from tandem.core.task import RewardFunction, TrajectoryKind
+from tandem.core.task import HeldOutMeasure, RewardFunction, TrajectoryKind
 from tandem.tasks.digits import MODEL_DIR, NUM_DIGITS, format_prompt
 
 __all__ = ["DigitsTask", "make_task"]
@@ -36,6 +36,9 @@ class DigitsTask:
     name = "digits"
     kind: TrajectoryKind = "image"
     model_path: Path | None = MODEL_DIR
+    # The judge recognizes the prompted digit: it gives it at least half its probability (so it is
+    # the judge's first choice), whatever ink the image spends.
+    held_out_measure = HeldOutMeasure("recognized", component="ocr", threshold=0.5)
 
     def __init__(self, judge_cost_s: float = 0.0, ink_weight: float = 0.0, judge: Literal["pool", "inline"] = "pool") -> None:
         if judge_cost_s < 0:

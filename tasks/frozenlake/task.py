@@ -22,7 +22,7 @@ from collections.abc import Iterator
 
 from tandem.core.environment import EnvironmentFactory
 from tandem.core.records import TaskItem
-from tandem.core.task import RewardFunction, TrajectoryKind
+from tandem.core.task import HeldOutMeasure, RewardFunction, TrajectoryKind
 from tandem.tasks.frozenlake.environment import FrozenLakeEnvironment, render
 from tandem.tasks.frozenlake.maps import HELD_OUT_SEEDS, MAP_SIZE, TRAIN_SEEDS, LakeMap, generate_map
 
@@ -37,6 +37,7 @@ class FrozenLakeTask:
 
     name = "frozenlake"
     kind: TrajectoryKind = "episode"
+    held_out_measure = HeldOutMeasure("success", component="goal")  # the goal reached, however the turns were written
 
     def __init__(self, slippery: bool = False, size: int = MAP_SIZE, max_turns: int | None = None) -> None:
         if size < 2:

@@ -10,36 +10,21 @@ generation stop token, so ``generate`` returns after one turn. Every encoded tex
 
 from __future__ import annotations
 
-from tokenizers import Tokenizer, decoders, models, processors
 from transformers import PreTrainedTokenizerFast
 
-PAD, BOS, EOT, UNK = "<pad>", "<bos>", "<eot>", "<unk>"
-SPECIAL_TOKENS = (PAD, BOS, EOT, UNK)
+from tandem.tasks.char_tokenizer import BOS, char_tokenizer, char_vocab
+
+__all__ = ["BOS", "CHARACTERS", "EOT", "MODEL_MAX_LENGTH", "VOCAB", "build_tokenizer"]
+
+EOT = "<eot>"
 # The grid's tiles, the agent and the lake's edge, the line separator, then the four actions.
 CHARACTERS = (".", "H", "G", "@", "#", "\n", "L", "D", "R", "U")
-VOCAB: dict[str, int] = {token: i for i, token in enumerate(SPECIAL_TOKENS + CHARACTERS)}
+VOCAB: dict[str, int] = char_vocab(CHARACTERS, EOT)
 # A whole default episode is at most 1 + 10 * (25 + 2) = 271 tokens; the margin leaves room for longer
 # turn limits (slippery lakes) without changing the model. Sizes the model's RoPE table too.
 MODEL_MAX_LENGTH = 512
 
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
-    """A fresh tokenizer with the fixed vocabulary, wrapped for ``transformers``."""
-    # BPE without merges splits text into single characters, and maps characters outside the
-    # vocabulary to <unk> instead of dropping them silently.
-    core = Tokenizer(models.BPE(vocab=VOCAB, merges=[], unk_token=UNK))
-    core.add_special_tokens(list(SPECIAL_TOKENS))
-    core.post_processor = processors.TemplateProcessing(
-        single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, VOCAB[BOS])]
-    )
-    # Tokens are characters, so decoding is plain concatenation (the default joins with spaces).
-    core.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=core,
-        bos_token=BOS,
-        eos_token=EOT,
-        pad_token=PAD,
-        unk_token=UNK,
-        padding_side="left",
-        model_max_length=MODEL_MAX_LENGTH,
-    )
+    """A fresh tokenizer with the fixed vocabulary (``tasks.char_tokenizer``), wrapped for ``transformers``."""
+    return char_tokenizer(CHARACTERS, eos=EOT, model_max_length=MODEL_MAX_LENGTH)

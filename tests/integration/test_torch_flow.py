@@ -146,7 +146,8 @@ def test_the_default_job_on_a_reduced_budget_raises_held_out_accuracy(tmp_path: 
     assert len(result.steps) == 40 and result.ledger["balanced"] and max(result.staleness_counts) <= 1
     # Held-out evaluation ran beside training on the policy before any step (every 50 versions).
     first = result.validations[0]
-    assert (first.version, first.samples) == (0, cfg.validation.prompts) and 0.0 < first.accuracy < 1.0
+    assert (first.version, first.samples) == (0, cfg.validation.prompts) and 0.0 < first.score < 1.0
+    assert first.measure == "exact_answer"
     held_out = generate_problems(300, 987654)  # a seed no run trains on
     before = greedy_accuracy(MODEL_DIR, held_out)
     after = greedy_accuracy(tmp_path / "short" / "checkpoint", held_out)

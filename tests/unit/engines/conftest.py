@@ -55,3 +55,19 @@ def vllm_engine(vllm_model_dir: Path) -> Iterator[Any]:
         yield engine
     finally:
         engine.close()
+
+
+@pytest.fixture(scope="session")
+def chat_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A user's own chat model: byte-level BPE, a ChatML template that writes its own <bos>."""
+    from chat_lm import save_chat_model
+
+    return save_chat_model(tmp_path_factory.mktemp("chat"))
+
+
+@pytest.fixture(scope="session")
+def plain_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same kind of model without a chat template."""
+    from chat_lm import save_chat_model
+
+    return save_chat_model(tmp_path_factory.mktemp("plain"), chat_template=None)

@@ -205,7 +205,7 @@ def test_the_summary_names_drops_per_stage_degradations_and_held_out_accuracy() 
     degradations = sum(m.degraded for m in result.mode_changes)
     assert degradations > 0 and f"degraded to synchronous {degradations}x" in summary
     first, last = result.validations[0], result.validations[-1]
-    assert f"held-out accuracy {first.accuracy:.3f} (v0) -> {last.accuracy:.3f} (v{last.version})" in summary
+    assert f"held-out accuracy {first.score:.3f} (v0) -> {last.score:.3f} (v{last.version})" in summary
 
 
 def test_ctrl_c_checkpoints_the_run_and_resume_continues_it(tmp_path: Path) -> None:

@@ -31,7 +31,7 @@ def test_evaluations_run_every_n_versions_beside_training_and_are_tagged_with_th
     versions = [v.version for v in result.validations]
     assert versions[:3] == [0, 3, 6] and all(v % 3 == 0 for v in versions)
     for record in result.validations:
-        assert record.samples == 6 and 0.0 <= record.accuracy <= 1.0 and record.max_token_version >= record.version
+        assert record.samples == 6 and 0.0 <= record.score <= 1.0 and record.max_token_version >= record.version
     # Outside the training accounting: k = 0 still trains block t in step t, nothing else.
     per_step = cfg.train.prompts_per_step
     for t, batch in enumerate(trainer.batches):
@@ -56,12 +56,12 @@ def test_the_latest_evaluation_is_in_the_metrics() -> None:
     def on_step(record: StepRecord) -> None:
         assert flow.metrics is not None
         read = flow.metrics.registry.get_sample_value
-        seen.append((read("tandem_validation_version"), read("tandem_validation_accuracy")))
+        seen.append((read("tandem_validation_version"), read("tandem_validation_measure", {"measure": "accuracy"})))
 
     flow = AsyncTrainingFlow(cfg, on_step=on_step)
     result = run_virtual(flow.run())
     latest = result.validations[-1]
-    assert (float(latest.version), latest.accuracy) in seen
+    assert (float(latest.version), latest.score) in seen
 
 
 def test_the_held_out_set_is_the_same_every_time_and_never_the_training_stream() -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tandem.core.config import ConfigError, TandemConfig, validate_config
+from tandem.engines.shared.chat import PromptEncoder
 from tandem.engines.shared.tokenizer import load_tokenizer
 from tandem.engines.text.build import prompt_budget, thread_budgets, tokenized, tokenized_held_out
 from tandem.pipeline.builders import build_components
@@ -21,7 +22,7 @@ from tandem.tasks.registry import load_task
 
 
 def file_prompts(path: Path, tokenizer: object) -> object:
-    return tokenized(FileItems(path), tokenizer)
+    return tokenized(FileItems(path), PromptEncoder(tokenizer, path))
 
 
 class CharTokenizer:
@@ -51,7 +52,7 @@ def test_parquet_prompts_load(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("rows", "message"),
     [
-        ([{"prompt": "1+1=\n", "answer": "2"}, {"prompt": "", "answer": "3"}], "row 1 has no non-empty string 'prompt'"),
+        ([{"prompt": "1+1=\n", "answer": "2"}, {"prompt": "", "answer": "3"}], "row 1 has no non-empty 'prompt'"),
         ([{"prompt": "1+1=\n", "answer": 2}], "row 0: 'answer' must be a string"),
     ],
 )
@@ -120,7 +121,7 @@ def test_the_held_out_set_is_the_problems_pretraining_reported_on_tokenized() ->
     from tandem.tasks.arithmetic.pretrain import REPORT_SEED
 
     tokenizer = load_tokenizer(str(MODEL_DIR))
-    held_out = tokenized_held_out(load_task("arithmetic"), tokenizer)
+    held_out = tokenized_held_out(load_task("arithmetic"), PromptEncoder(tokenizer, MODEL_DIR))
     prompts = held_out(5)
     assert prompts == held_out(5)
     expected = generate_problems(5, REPORT_SEED)
