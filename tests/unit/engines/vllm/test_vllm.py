@@ -141,8 +141,9 @@ async def test_with_in_flight_wait_an_update_lands_once_the_requests_in_flight_f
         old = vllm_engine.version + 1
         await push(vllm_engine, probe, snapshot(trainer), old)
         await train_on(trainer, await sample(vllm_engine, requests(8)))
-        running = asyncio.ensure_future(sample(vllm_engine, requests(200, per_prompt=8)))
-        await asyncio.sleep(1.0)
+        # Near the model's 512 positions: long enough to be mid-way when the update is asked for.
+        running = asyncio.ensure_future(sample(vllm_engine, requests(480, per_prompt=8)))
+        await asyncio.sleep(0.3)
         assert not running.done()
         vllm_engine.in_flight = "wait"  # engines.vllm.in_flight=wait
         try:
@@ -153,7 +154,7 @@ async def test_with_in_flight_wait_an_update_lands_once_the_requests_in_flight_f
         samples = await asyncio.wait_for(running, timeout=30)
         lp_old = await old_policy.logprobs(samples)
     # The update waited for them: every token was sampled, and scores, under the old weights.
-    assert all(t.versions == [old] * 200 and t.resumed is None for t in samples)
+    assert all(t.versions == [old] * 480 and t.resumed is None for t in samples)
     assert all(max_gap(t.behaviour_logprobs, lp) < 1e-4 for t, lp in zip(samples, lp_old, strict=True))
 
 
