@@ -1,4 +1,4 @@
-"""Trainer groups (FSDP2, megatron-core) at 1 and 2 ranks on CPU: train-step throughput, weight gather into the dual buffer.
+"""Trainer groups (DDP, FSDP2, megatron-core) at 1 and 2 ranks on CPU: train-step throughput, weight gather into the dual buffer.
 
 For each engine and rank count a group is started (``engines.trainers.group``: every rank a
 spawned process with one torch thread, gloo between them) on a synthetic Llama (``--hidden``,
@@ -26,7 +26,7 @@ other work the numbers swing: the load average before and after is recorded with
 
 Writes ``benchmarks/results/train_scaling.json``.
 
-    python benchmarks/train_scaling.py [--steps 3] [--syncs 3] [--engines torch fsdp2 megatron megatron-tp2]
+    python benchmarks/train_scaling.py [--steps 3] [--syncs 3] [--engines torch ddp fsdp2 megatron megatron-tp2]
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ from tandem.param_sync import InProcessTransport, ModuleTarget, ParamSyncer, Rec
 
 RESULTS = Path(__file__).resolve().parent / "results" / "train_scaling.json"
 # engine name -> (rank engine, tensor-parallel size)
-ENGINES = {"fsdp2": ("fsdp2", 1), "megatron": ("megatron", 1), "megatron-tp2": ("megatron", 2)}
+ENGINES = {"ddp": ("ddp", 1), "fsdp2": ("fsdp2", 1), "megatron": ("megatron", 1), "megatron-tp2": ("megatron", 2)}
 
 
 class PolicyGradient:
@@ -145,7 +145,7 @@ async def row(name: str, ranks: int, model_path: Path, args: argparse.Namespace)
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--engines", nargs="+", default=["torch", "fsdp2", "megatron", "megatron-tp2"])
+    parser.add_argument("--engines", nargs="+", default=["torch", "ddp", "fsdp2", "megatron", "megatron-tp2"])
     parser.add_argument("--steps", type=int, default=3, help="timed steps per row (after one warm-up step)")
     parser.add_argument("--syncs", type=int, default=3, help="timed weight syncs per row (after one warm-up sync)")
     parser.add_argument("--hidden", type=int, default=256)
