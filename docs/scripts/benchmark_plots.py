@@ -181,7 +181,7 @@ PLOTS: dict[str, Callable[[Axes], None]] = {
     "e2e_h100": _e2e("e2e_h100", "Default job on one H100", None),
     "e2e_ray": _e2e("e2e_ray", "Default job on Ray actors vs in process (2-core CPU)", "backend"),
     "e2e_vllm": _e2e("e2e_vllm", "Default job on vLLM (CPU build) vs the embedded engine, 2 runs", "rollout"),
-    "e2e_server_agent": _e2e("e2e_server_agent", "An OpenAI-client agent vs the native server path, 2 runs", "rollout"),
+    "e2e_server_agent": _e2e("e2e_server_agent", "An OpenAI-client agent vs the native server path, 3 runs", "rollout"),
     "agentic": _agentic,
     "flow_grpo": _flow_grpo,
     "learning_quality": _learning_quality,
