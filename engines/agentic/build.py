@@ -25,8 +25,7 @@ from tandem.core.protocols import RolloutEngine
 from tandem.engines.agentic.registry import load_workflow
 from tandem.engines.agentic.workflow import WorkflowContext
 from tandem.engines.build import build_text_components
-from tandem.engines.shared.tokenizer import load_tokenizer
-from tandem.engines.text.build import prompt_budget, prompt_encoder, resolve_model_path, sampling_params
+from tandem.engines.text.build import prompt_budget, prompt_encoder, run_tokenizer, sampling_params
 
 __all__ = ["build_episode_components", "build_ray_episode_components", "episode_budget"]
 
@@ -66,7 +65,7 @@ def _with_workflow(config: TandemConfig, setup: TaskSetup, components: Component
     assert isinstance(spec, TorchEnginesConfig)
     agentic = config.agentic
     task = _environment_task(setup, config)
-    tokenizer = load_tokenizer(str(resolve_model_path(spec.model_path)))
+    tokenizer = run_tokenizer(config)
     context_tokens, max_prompt_tokens = episode_budget(config, tokenizer)
     runner = EnvironmentRunner(agentic.env_timeout_s, agentic.isolation, max_workers=agentic.max_episodes)
     try:

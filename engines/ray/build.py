@@ -394,12 +394,11 @@ def build_ray_components(config: TandemConfig, setup: TaskSetup) -> Components:
     placement group, and stops the cluster if this started it; it runs on success, error and
     Ctrl-C alike (the flow closes the components it built in a ``finally``).
     """
-    from tandem.engines.shared.tokenizer import load_tokenizer
     from tandem.engines.text.build import (
         prompt_budget,
         prompt_encoder,
-        resolve_model_path,
         rollout_engine,
+        run_tokenizer,
         sampling_params,
         tokenized,
         tokenized_held_out,
@@ -409,7 +408,7 @@ def build_ray_components(config: TandemConfig, setup: TaskSetup) -> Components:
 
     spec = config.engines
     assert isinstance(spec, TorchEnginesConfig)
-    tokenizer = load_tokenizer(str(resolve_model_path(spec.model_path)))
+    tokenizer = run_tokenizer(config)
     max_prompt_tokens = prompt_budget(config, tokenizer)  # before any actor starts: bad input fails fast
     encode = prompt_encoder(config, tokenizer, setup.items)
     cluster = _Cluster(started_ray=connect(config))

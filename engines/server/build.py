@@ -20,7 +20,6 @@ success, error and Ctrl-C alike.
 
 from __future__ import annotations
 
-import asyncio
 import shutil
 import tempfile
 from collections.abc import Awaitable, Callable
@@ -121,18 +120,17 @@ def server_fleet(
 def build_server_components(config: TandemConfig, setup: TaskSetup, kind: ServerKind | None = None) -> Components:
     """The text workload's bundle with generation in servers (see the module docstring); ``kind``
     None: tandem serve or sglang, as ``engines.rollout`` says."""
-    from tandem.engines.shared.tokenizer import load_tokenizer
     from tandem.engines.text.build import (
         prompt_budget,
         prompt_encoder,
         reference_engine,
         resolve_model_path,
+        run_tokenizer,
         sampling_params,
-        save_checkpoint,
         thread_budgets,
         tokenized,
         tokenized_held_out,
-        train_engine,
+        trainer_with_export,
     )
     from tandem.engines.text.workflow import SingleTurnWorkflow
 
@@ -140,7 +138,7 @@ def build_server_components(config: TandemConfig, setup: TaskSetup, kind: Server
     assert isinstance(spec, TorchEnginesConfig)
     servers = spec.servers
     model_path = str(resolve_model_path(spec.model_path))
-    tokenizer = load_tokenizer(model_path)
+    tokenizer = run_tokenizer(config)
     max_prompt_tokens = prompt_budget(config, tokenizer)  # before anything starts: bad input fails fast
     encode = prompt_encoder(config, tokenizer, setup.items)
     agent = load_agent(servers.agent) if servers.agent is not None else None
@@ -166,7 +164,7 @@ def build_server_components(config: TandemConfig, setup: TaskSetup, kind: Server
             wait_for_server_s=servers.startup_timeout_s, ready=fleet.ready if fleet is not None else None,
             client=kind.client if kind is not None else None, keys=keys,
         )
-        engine = train_engine(config, train_threads)
+        engine, checkpoint = trainer_with_export(config, train_threads, tokenizer)
         transport: Transport
         if kind is not None and kind.transport is not None:
             transport = kind.transport(router)
@@ -201,9 +199,6 @@ def build_server_components(config: TandemConfig, setup: TaskSetup, kind: Server
         aclosers.append(workflow.aclose)  # the agent's session exits while the servers still run
     else:
         workflow = SingleTurnWorkflow(router, sampling_params(config))
-
-    async def checkpoint(folder: Path) -> None:
-        await asyncio.to_thread(save_checkpoint, engine, tokenizer, folder)
 
     # The sync first (a transfer in flight finishes against live servers), then the router, the servers, the trainer.
     closers = [weight_sync.close, router.close, *([fleet.stop] if fleet is not None else []), engine.close,

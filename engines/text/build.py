@@ -30,7 +30,7 @@ from tandem.core.paths import PACKAGE_ROOT
 from tandem.core.protocols import SamplingParams, WeightSync
 from tandem.core.records import TaskItem
 from tandem.core.task import Task
-from tandem.engines.shared.chat import PromptEncoder
+from tandem.engines.shared.chat import PromptEncoder, read_chat_template
 from tandem.engines.shared.tokenizer import load_tokenizer
 from tandem.engines.shared.weight_sync import TorchWeightSync
 from tandem.engines.text.rollout import HFRolloutEngine
@@ -51,6 +51,7 @@ __all__ = [
     "reference_engine",
     "resolve_model_path",
     "rollout_engine",
+    "run_tokenizer",
     "sampling_params",
     "save_checkpoint",
     "thread_budgets",
@@ -87,15 +88,24 @@ def thread_budgets(config: TandemConfig, cores: int | None = None) -> tuple[int,
     return spec.generation_threads or share, spec.train_threads or per_rank
 
 
-def prompt_encoder(config: TandemConfig, tokenizer: Any, items: PromptSource) -> PromptEncoder:
-    """The encoder of the run's prompts (``engines.shared.chat``), tried on the first training item so
-    that a chat prompt the model cannot render fails before any engine starts."""
+def run_tokenizer(config: TandemConfig) -> Any:
+    """The model's tokenizer as the run uses it: ``engines.chat_template`` (if given) replaces its
+    template, so the prompts and the exported checkpoint carry the same one."""
     spec = config.engines
     assert isinstance(spec, TorchEnginesConfig)
-    encoder = PromptEncoder(
-        tokenizer, resolve_model_path(spec.model_path), system_prompt=config.task.system_prompt,
-        chat_template=spec.chat_template,
-    )
+    tokenizer = load_tokenizer(str(resolve_model_path(spec.model_path)))
+    if spec.chat_template is not None:
+        tokenizer.chat_template = read_chat_template(spec.chat_template)
+    return tokenizer
+
+
+def prompt_encoder(config: TandemConfig, tokenizer: Any, items: PromptSource) -> PromptEncoder:
+    """The encoder of the run's prompts (``engines.shared.chat``) over ``tokenizer`` (the
+    :func:`run_tokenizer`), tried on the first training item so that a chat prompt the model
+    cannot render fails before any engine starts."""
+    spec = config.engines
+    assert isinstance(spec, TorchEnginesConfig)
+    encoder = PromptEncoder(tokenizer, resolve_model_path(spec.model_path), system_prompt=config.task.system_prompt)
     first = next(iter(items(config.run.seed)), None)
     if first is not None:
         encoder(first)
@@ -150,12 +160,13 @@ def train_engine(config: TandemConfig, num_threads: int) -> TorchTrainEngine | T
     )
 
 
-def trainer_with_export(config: TandemConfig, num_threads: int) -> tuple[TorchTrainEngine | TrainerGroup, Export]:
-    """The trained policy and its HF export (weights and the model's tokenizer, loadable by
-    ``from_pretrained``): what the in-process bundle and the Ray trainer actor both hold."""
-    spec = config.engines
-    assert isinstance(spec, TorchEnginesConfig)
-    tokenizer = load_tokenizer(str(resolve_model_path(spec.model_path)))
+def trainer_with_export(
+    config: TandemConfig, num_threads: int, tokenizer: Any | None = None
+) -> tuple[TorchTrainEngine | TrainerGroup, Export]:
+    """The trained policy and its HF export (weights and the run's tokenizer, loadable by
+    ``from_pretrained``): what the in-process bundle and the Ray trainer actor both hold.
+    ``tokenizer``: the :func:`run_tokenizer` when the caller has it already."""
+    tokenizer = run_tokenizer(config) if tokenizer is None else tokenizer
     engine = train_engine(config, num_threads)
 
     async def export(folder: Path) -> None:
@@ -263,10 +274,10 @@ def build_torch_components(
     spec = config.engines
     assert isinstance(spec, TorchEnginesConfig)
     gen_threads, train_threads = thread_budgets(config)
-    tokenizer = load_tokenizer(str(resolve_model_path(spec.model_path)))
+    tokenizer = run_tokenizer(config)
     max_prompt_tokens = prompt_budget(config, tokenizer)  # before any engine starts: bad input fails fast
     encode = prompt_encoder(config, tokenizer, setup.items)
-    engine, checkpoint = trainer_with_export(config, train_threads)
+    engine, checkpoint = trainer_with_export(config, train_threads, tokenizer)
     reference = reference_engine(config, train_threads) if "ref_logp" in config.flow.stages else None
     critic = value_engine(config, train_threads) if "critic" in config.flow.stages else None
     rollout, weight_sync = place_rollout(config, engine, gen_threads)

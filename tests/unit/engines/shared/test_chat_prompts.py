@@ -81,6 +81,19 @@ def test_chat_rows_for_a_model_without_a_template_are_refused_naming_the_model(p
         build_components(chat_config(plain_model_dir, data))
 
 
+def test_the_exported_checkpoint_carries_the_template_override(plain_model_dir: Path, tmp_path: Path) -> None:
+    data = tmp_path / "chat.jsonl"
+    data.write_text(json.dumps({"prompt": chat(QUESTIONS[0]), "answer": "7"}) + "\n")
+    config = chat_config(plain_model_dir, data)
+    config = config.model_copy(update={"engines": config.engines.model_copy(update={"chat_template": CHATML})})
+    components = build_components(config)
+    try:
+        asyncio.run(components.save_checkpoint(tmp_path / "export"))
+    finally:
+        components.close()
+    assert load_tokenizer(tmp_path / "export").chat_template == CHATML  # the run's template, not the model folder's (none)
+
+
 def write_chat_jsonl(path: Path) -> Path:
     path.write_text("".join(json.dumps({"prompt": chat(q), "answer": "7", "level": 1}) + "\n" for q in QUESTIONS))
     return path
