@@ -251,12 +251,7 @@ class HFRolloutEngine(ContinuousBatcher[GenerationRequest, DecodeRow, "_Batch | 
         """
         if self._waiting and len(self._waiting) > free and free < max(1, self._max_batch_size // 4):
             return []
-        taken: list[DecodeRow] = []
-        while self._waiting and len(taken) < free:
-            seq = self._waiting.popleft()
-            if not seq.cancelled:
-                taken.append(seq)
-        return taken
+        return super()._take_waiting(free)
 
     def _prefill(self, rows: list[DecodeRow], token_lists: list[list[int]]) -> list[tuple[_Batch, torch.Tensor]]:
         """Encode each row's tokens from scratch; rows of equal length share one padding-free forward.
