@@ -104,23 +104,32 @@ async def test_seeded_sampling_depends_on_the_request_alone(vllm_engine: VllmRol
     assert first[0].payload.response_ids != first[1].payload.response_ids  # the n samples of a group differ
 
 
+async def update_in_flight(
+    engine: VllmRolloutEngine, model_dir: Path, probe: WeightProbe, new_tokens: int
+) -> tuple[int, list[Trajectory], list[list[float]], list[list[float]]]:
+    """Serve version ``old``, start long requests, push ``old + 1`` while they are in flight (under
+    ``engine.in_flight``); returns ``old``, the samples, and their log-probs under the old and the
+    new weights (the trainer's, at the same weights as vLLM's)."""
+    async with (
+        TorchTrainEngine(str(model_dir), lr=5e-2, temperature=1.0) as trainer,
+        TorchLogProbEngine(str(model_dir), temperature=1.0) as old_policy,
+    ):
+        old = engine.version + 1
+        await push(engine, probe, snapshot(trainer), old)
+        await train_on(trainer, await sample(engine, requests(8)))
+        running = asyncio.ensure_future(sample(engine, requests(new_tokens, per_prompt=8)))
+        await asyncio.sleep(1.0)
+        assert not running.done()  # long enough to be in flight when the update is asked for
+        await push(engine, probe, snapshot(trainer), old + 1)
+        assert engine.version == old + 1
+        samples = await asyncio.wait_for(running, timeout=60)
+        return old, samples, await old_policy.logprobs(samples), await trainer.logprobs(samples)
+
+
 async def test_tokens_across_a_kept_update_carry_the_version_of_the_weights_that_produced_them(
     vllm_engine: VllmRolloutEngine, vllm_model_dir: Path, probe: WeightProbe
 ) -> None:
-    async with (
-        TorchTrainEngine(str(vllm_model_dir), lr=5e-2, temperature=1.0) as trainer,
-        TorchLogProbEngine(str(vllm_model_dir), temperature=1.0) as old_policy,
-    ):
-        old = vllm_engine.version + 1
-        await push(vllm_engine, probe, snapshot(trainer), old)
-        await train_on(trainer, await sample(vllm_engine, requests(8)))
-        long = requests(400, per_prompt=8)  # long enough to be in flight when the update lands
-        running = asyncio.ensure_future(sample(vllm_engine, long))
-        await asyncio.sleep(1.0)
-        assert not running.done()
-        await push(vllm_engine, probe, snapshot(trainer), old + 1)
-        samples = await running
-        before, after = await old_policy.logprobs(samples), await trainer.logprobs(samples)
+    old, samples, before, after = await update_in_flight(vllm_engine, vllm_model_dir, probe, 400)
     split = [t.versions.index(old + 1) for t in samples if old + 1 in t.versions]
     assert len(split) == len(samples) and all(0 < m < 400 for m in split)  # every one spans the update
     for t, m, lp_old, lp_new in zip(samples, split, before, after, strict=True):
@@ -134,25 +143,11 @@ async def test_tokens_across_a_kept_update_carry_the_version_of_the_weights_that
 async def test_with_in_flight_wait_an_update_lands_once_the_requests_in_flight_finish_under_the_old_weights(
     vllm_engine: VllmRolloutEngine, vllm_model_dir: Path, probe: WeightProbe
 ) -> None:
-    async with (
-        TorchTrainEngine(str(vllm_model_dir), lr=5e-2, temperature=1.0) as trainer,
-        TorchLogProbEngine(str(vllm_model_dir), temperature=1.0) as old_policy,
-    ):
-        old = vllm_engine.version + 1
-        await push(vllm_engine, probe, snapshot(trainer), old)
-        await train_on(trainer, await sample(vllm_engine, requests(8)))
-        # Near the model's 512 positions: long enough to be mid-way when the update is asked for.
-        running = asyncio.ensure_future(sample(vllm_engine, requests(480, per_prompt=8)))
-        await asyncio.sleep(1.0)
-        assert not running.done()
-        vllm_engine.in_flight = "wait"  # engines.vllm.in_flight=wait
-        try:
-            await push(vllm_engine, probe, snapshot(trainer), old + 1)
-        finally:
-            vllm_engine.in_flight = "keep"
-        assert vllm_engine.version == old + 1
-        samples = await asyncio.wait_for(running, timeout=60)
-        lp_old, lp_new = await old_policy.logprobs(samples), await trainer.logprobs(samples)
+    vllm_engine.in_flight = "wait"  # engines.vllm.in_flight=wait
+    try:  # requests near the model's 512 positions: mid-way when the update is asked for
+        old, samples, lp_old, lp_new = await update_in_flight(vllm_engine, vllm_model_dir, probe, 480)
+    finally:
+        vllm_engine.in_flight = "keep"
     # No request spans the update (with keep, every request in flight would): the ones in flight
     # finished under the old weights before it landed. (On a loaded machine vLLM may not have
     # scheduled all of them within the second; those run after it, wholly under the new weights.)
