@@ -6,7 +6,9 @@ import asyncio
 import copy
 import logging
 import time
+import tomllib
 from collections.abc import Coroutine
+from pathlib import Path
 from typing import Any, TypeVar
 
 import looptime
@@ -97,3 +99,12 @@ def ray_cluster() -> Any:
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def package_dirs() -> dict[str, str]:
+    """``tandem``'s packages and the repository folders they are made of (pyproject.toml's
+    ``package-dir``: the one place the layout is written down)."""
+    return tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]

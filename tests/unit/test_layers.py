@@ -16,8 +16,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import package_dirs
+
 ROOT = Path(__file__).resolve().parents[2]
-PARTS = ["core", "algorithms", "param_sync", "engines", "state_machines", "tasks", "pipeline"]
 LINT = Path(sys.executable).parent / "lint-imports"
 
 pytestmark = pytest.mark.skipif(not LINT.exists(), reason="import-linter is not installed (the dev extra)")
@@ -25,9 +26,8 @@ pytestmark = pytest.mark.skipif(not LINT.exists(), reason="import-linter is not 
 
 def installed_layout(tmp: Path) -> Path:
     """A copy of the code as the wheel lays it out, with pyproject.toml beside it."""
-    shutil.copytree(ROOT / "tandem", tmp / "tandem", ignore=shutil.ignore_patterns("__pycache__"))
-    for part in PARTS:
-        shutil.copytree(ROOT / part, tmp / "tandem" / part, ignore=shutil.ignore_patterns("__pycache__", "model"))
+    for package, folder in sorted(package_dirs().items()):  # "tandem" first, then its parts
+        shutil.copytree(ROOT / folder, tmp / package.replace(".", "/"), ignore=shutil.ignore_patterns("__pycache__", "model"))
     shutil.copy(ROOT / "pyproject.toml", tmp / "pyproject.toml")
     return tmp
 

@@ -12,16 +12,17 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import package_dirs
+
 ROOT = Path(__file__).resolve().parents[2]
-PARTS = ["core", "algorithms", "param_sync", "engines", "state_machines", "tasks", "pipeline", "configs", "tandem"]
 
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The wheel built from a copy of the sources (pip builds in the source folder)."""
     src = tmp_path_factory.mktemp("src")
-    for part in PARTS:
-        shutil.copytree(ROOT / part, src / part, ignore=shutil.ignore_patterns("__pycache__"))
+    for folder in package_dirs().values():
+        shutil.copytree(ROOT / folder, src / folder, ignore=shutil.ignore_patterns("__pycache__"))
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, src / name)
     out = tmp_path_factory.mktemp("wheel")
@@ -34,9 +35,8 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_the_wheel_holds_only_tandem_with_every_module_configs_and_models(wheel: Path) -> None:
     names = zipfile.ZipFile(wheel).namelist()
     assert {name.split("/")[0] for name in names if ".dist-info/" not in name} == {"tandem"}
-    modules = {f"tandem/{path.relative_to(ROOT)}" for part in PARTS[:-2] for path in (ROOT / part).rglob("*.py")
-               if "__pycache__" not in path.parts}
-    modules.add("tandem/__init__.py")
+    modules = {f"{package.replace('.', '/')}/{path.relative_to(ROOT / folder)}" for package, folder in package_dirs().items()
+               for path in (ROOT / folder).rglob("*.py") if "__pycache__" not in path.parts}
     assert modules - set(names) == set()
     configs = {f"tandem/configs/{path.name}" for path in (ROOT / "configs").glob("*.yaml")}
     assert configs and configs <= set(names)
