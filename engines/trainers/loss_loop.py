@@ -103,16 +103,17 @@ def padded(rows: Sequence[Sequence[float] | None], mask: torch.Tensor) -> torch.
 
 
 def micro_batch_plan(samples: Sequence[Trajectory], max_tokens: int) -> list[list[int]]:
-    """The micro-batches of ``samples`` (``plan_micro_batches`` over prompt + response lengths)."""
-    lengths = [len(token_payload(s).prompt_ids) + s.num_actions for s in samples]
-    return plan_micro_batches(lengths, max_tokens)
+    """The micro-batches of ``samples``' trajectories with actions, as indices into ``samples``
+    (``plan_micro_batches`` over prompt + response lengths); one without actions has nothing to
+    forward and rides in none."""
+    acting = [i for i, s in enumerate(samples) if s.num_actions > 0]
+    lengths = [len(token_payload(samples[i]).prompt_ids) + samples[i].num_actions for i in acting]
+    return [[acting[j] for j in group] for group in plan_micro_batches(lengths, max_tokens)]
 
 
 def _passes(samples: Sequence[Trajectory], max_tokens: int, device: torch.device, passes: int) -> Iterator[MicroBatch | None]:
-    """The micro-batches of the trajectories with actions, then ``None`` (a filler pass) until
-    ``passes`` passes were made."""
-    acting = [i for i, s in enumerate(samples) if s.num_actions > 0]
-    plan = [[acting[j] for j in group] for group in micro_batch_plan([samples[i] for i in acting], max_tokens)]
+    """The micro-batches, then ``None`` (a filler pass) until ``passes`` passes were made."""
+    plan = micro_batch_plan(samples, max_tokens)
     for indices in plan:
         yield collate(samples, indices, device)
     for _ in range(passes - len(plan)):
