@@ -16,6 +16,8 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+from mkdocs.plugins import event_priority
+
 REPO = Path(__file__).resolve().parents[2]
 LAYOUT = REPO / "build" / "docs-layout"
 
@@ -34,7 +36,8 @@ def lay_out(repo: Path, layout: Path) -> None:
             os.symlink(repo / folder, layout / Path(*package.split(".")), target_is_directory=True)
 
 
+@event_priority(100)  # before mkdocstrings' own on_config, which drops a search path that does not exist yet
 def on_config(config: Any) -> Any:
-    """mkdocs' hook, before any page is rendered."""
+    """mkdocs' hook, before any page is rendered and before mkdocstrings reads its paths."""
     lay_out(REPO, LAYOUT)
     return config
