@@ -86,6 +86,7 @@ class StageGraph:
             if not isinstance(train, TrainStateMachine) or not isinstance(critic, CriticStateMachine):
                 raise ValueError("a flow with a critic needs the train and critic roles (or subclasses of them)")
             train.critic_batches, critic.batches = open_channel("train->critic", 1)
+            train.critic_caught_up = critic.caught_up
             channels.append(critic.batches)
         return BuiltGraph(machines, channels)
 

@@ -15,7 +15,9 @@ advances independently (``tandem_policy_version{role="critic"}``, ``metrics.json
 ``critic``); how far the values a step trains with lag behind that step is recorded per
 trajectory (``StepRecord.value_staleness``: the policy step minus the critic version, 0 when the
 critic has trained on every earlier step). The channel holds one batch, so the critic's training
-is at most two policy steps behind. Scoring and training never overlap (one lock), so a version
+is at most two policy steps behind; when the train role has sent its last step it closes the
+channel and waits for :attr:`CriticStateMachine.caught_up`, so a finished run's critic has trained
+on every step. Scoring and training never overlap (one lock), so a version
 stamp always names the weights that produced the values. The state shown is the last transition
 of either loop.
 
@@ -55,6 +57,7 @@ class CriticStateMachine(Stage[TrajectoryGroup, TrajectoryGroup]):
         self.objective = ValueObjective(algo.value_clip_eps, algo.aggregation)
         self.batches: ReceiveChannel[CriticBatch] | None = None  # set by the stage graph
         self._turns = asyncio.Lock()  # scoring and training take turns on the engine
+        self.caught_up = asyncio.Event()  # set once every batch sent before the channel closed is trained
 
     @property
     def engine(self) -> ValueEngine:
@@ -102,6 +105,7 @@ class CriticStateMachine(Stage[TrajectoryGroup, TrajectoryGroup]):
             try:
                 batch = await batches.receive()
             except EndOfStream:
+                self.caught_up.set()
                 return
             metrics = await self.work([], lambda: self._step(batch))  # noqa: B023 (called within this iteration)
             if metrics is None:

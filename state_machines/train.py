@@ -16,7 +16,9 @@ Before each step the staleness of every group is checked against the bound it wa
 under; a violation stops the run (it would mean the gate is wrong). After the step the trained
 version moves forward, which lets parameter sync and then admission move on, every
 ``run.save_steps`` a checkpoint is written before the next step can begin, and with a critic the
-step's trajectories (with their GAE returns) go to the critic role to train on. On a clean stop,
+step's trajectories (with their GAE returns) go to the critic role to train on; after the last
+step the role waits until the critic has trained on every step, so the final checkpoint holds a
+critic that saw the whole run (whatever the machine's pace). On a clean stop,
 a step once begun is finished and recorded first. Holding at most ``k + 1`` steps of groups, the
 buffer is bounded by the in-flight cap.
 
@@ -37,7 +39,7 @@ from tandem.algorithms.shaping import soft_overlong_penalty
 from tandem.core.channel import SendChannel
 from tandem.core.history import StepRecord
 from tandem.core.records import FinishReason, Trajectory, TrajectoryGroup
-from tandem.state_machines.base import FlowServices, StateMachine
+from tandem.state_machines.base import FlowServices, State, StateMachine
 from tandem.state_machines.consumption import Consumption, version_span
 from tandem.state_machines.critic import CriticBatch
 
@@ -55,7 +57,10 @@ class TrainStateMachine(StateMachine):
         # The consumption policy is this role's: slots it gives back are refilled only under the
         # consumption bound (set before any role runs, so every admission sees it).
         services.gate.refill_bound = services.config.staleness.refill_bound
-        self.critic_batches: SendChannel[CriticBatch] | None = None  # set by the stage graph with a critic
+        # Set by the stage graph with a critic: the step batches it trains on, and its signal that
+        # it has trained on every batch sent before the channel closed.
+        self.critic_batches: SendChannel[CriticBatch] | None = None
+        self.critic_caught_up: asyncio.Event | None = None
 
     async def main(self) -> None:
         services = self.services
@@ -79,6 +84,7 @@ class TrainStateMachine(StateMachine):
                 if await self._finish_on_clean_stop(self._train(step, batch)):
                     await self._feed_critic(step, batch)
                     step += 1
+        await self._wait_for_critic()
 
     def shaped_rewards(self, group: TrajectoryGroup) -> list[float]:
         """The rewards the group's advantages are computed from: each trajectory's reward plus
@@ -255,6 +261,15 @@ class TrainStateMachine(StateMachine):
         """Hand a trained step's trajectories to the critic role (waits while it is a step behind)."""
         if self.critic_batches is not None:
             await self.critic_batches.send(CriticBatch(step, [t for g in batch for t in g.trajectories]))
+
+    async def _wait_for_critic(self) -> None:
+        """End the critic's stream and wait until it has trained on the last step (at most two
+        critic steps; a critic failure cancels this wait with the rest of the flow)."""
+        if self.critic_batches is None or self.critic_caught_up is None:
+            return
+        self.critic_batches.close()
+        self.set_state(State.WAITING_OUTPUT)
+        await self.critic_caught_up.wait()
 
     async def _finish_on_clean_stop(self, step: Coroutine[Any, Any, bool]) -> bool:
         """Run a train step; on a clean stop, finish it before passing the cancellation on.

@@ -54,14 +54,15 @@ def test_every_trained_trajectory_carries_values_advantages_and_returns(tmp_path
     rows = critic_rows(tmp_path / "critic" / "metrics.jsonl")
     assert [r["version"] for r in rows] == list(range(1, len(rows) + 1))
     assert [r["policy_step"] for r in rows] == list(range(len(rows)))
-    assert len(rows) >= cfg.run.max_steps - 2  # at most two steps behind when the run ends
+    assert len(rows) == cfg.run.max_steps  # the run ends once the critic has trained on its last step
     assert all("value_loss" in r["metrics"] for r in rows)
 
 
 def test_the_critics_version_advances_at_its_own_pace() -> None:
     # A critic step four times slower than a policy step: the critic falls behind the policy (the
     # train -> critic channel holds one batch, then the policy waits for it), and the values the
-    # policy trains with are staler, which is recorded per trajectory.
+    # policy trains with are staler, which is recorded per trajectory; the run still ends with a
+    # critic that trained on every step.
     def run(critic_step_s: float) -> tuple[int, int, int]:
         cfg = make_config(**critic_config(engines={"critic_step_latency": {"type": "constant", "mean_s": critic_step_s}}))
         flow = AsyncTrainingFlow(cfg)
@@ -71,8 +72,8 @@ def test_the_critics_version_advances_at_its_own_pace() -> None:
 
     policy, slow_critic, slow_staleness = run(2.0)
     _, fast_critic, fast_staleness = run(0.0)
-    assert slow_critic < policy and slow_critic <= fast_critic <= policy  # each counts its own steps
-    assert slow_staleness > fast_staleness
+    assert slow_staleness > fast_staleness  # the slow critic fell behind while the run went on
+    assert slow_critic == fast_critic == policy  # and the run ended once it had caught up, step for step
 
 
 def test_the_critic_resumes_from_its_checkpoint(tmp_path: Path) -> None:
