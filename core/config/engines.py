@@ -155,8 +155,10 @@ class RolloutServersConfig(Section):
     (e.g. with ``openai.AsyncOpenAI``), run once per rollout request against a server's ``/v1``;
     its calls (exact token ids, log-probs, versions, as the server recorded them) become the
     trajectory (``engines/server/agent.py``; ``tasks/arithmetic/openai_agent.py`` is one).
-    ``rollout: server`` only: sglang's servers keep no such records. None: tandem samples one
-    completion per request itself."""
+    ``rollout: server`` (tandem serve records the calls) or ``vllm_server`` (the run serves the
+    agents an OpenAI endpoint of its own that generates through the router and records them:
+    ``engines/server/agent_proxy.py``); not ``sglang`` (that proxy was never run against it).
+    None: tandem samples one completion per request itself."""
     api_key: SecretSource | None = None
     """The key every server requires (``Authorization: Bearer``) on every route but ``/health``:
     started servers are given it, and the router, the weight sync and the agents send it. From
@@ -337,11 +339,6 @@ def check_rollout_placement(config: TandemConfig) -> None:
         if engines.rollout == "vllm" and config.cluster.backend != "local":
             raise ValueError("engines.rollout=vllm drives vLLM from this process: needs cluster.backend=local")
         return
-    if engines.rollout == "vllm_server" and engines.servers.agent is not None:
-        raise ValueError(
-            "engines.servers.agent needs engines.rollout=server: the agent's calls are recorded (token ids, log-probs, "
-            "versions) by tandem serve's OpenAI endpoint; vLLM's has no per-conversation record"
-        )
     if engines.rollout == "vllm_server" and engines.servers.weight_transport != "shm":
         raise ValueError(
             f"engines.servers.weight_transport={engines.servers.weight_transport} with engines.rollout=vllm_server: "
@@ -352,8 +349,8 @@ def check_rollout_placement(config: TandemConfig) -> None:
         raise ValueError(f"engines.rollout={engines.rollout} runs its own server processes: needs cluster.backend=local")
     if engines.rollout == "sglang" and engines.servers.agent is not None:
         raise ValueError(
-            "engines.servers.agent needs engines.rollout=server: sglang's servers do not record the token ids, "
-            "log-probs and versions of an agent's calls"
+            "engines.servers.agent needs engines.rollout=server or vllm_server: sglang's servers keep no record of an "
+            "agent's calls, and the recording proxy served in front of vLLM's was never run against sglang (it needs CUDA)"
         )
     if engines.rollout == "sglang" and engines.servers.weight_transport == "shm":
         raise ValueError(

@@ -2,11 +2,14 @@
 
 What it owns: :class:`OpenAIAgentWorkflow`, a :class:`core.protocols.RolloutWorkflow` that runs
 an agent (any ``async`` function that talks to an OpenAI-compatible endpoint, e.g. with
-``openai.AsyncOpenAI``) once per rollout request against a rollout server's ``/v1``, tagging
-its requests with a conversation id (the agent passes :attr:`AgentRun.extra_body` to each call,
-or the header in :attr:`AgentRun.headers`), then collects the conversation's records from the
-server (``GET /tandem/conversations/{id}``: the exact token ids in and out, log-probs and
-versions of every call) and turns them into one trajectory.
+``openai.AsyncOpenAI``) once per rollout request against the ``/v1`` its :class:`AgentGateway`
+gives for the group's server, tagging its requests with a conversation id (the agent passes
+:attr:`AgentRun.extra_body` to each call, or the header in :attr:`AgentRun.headers`), then
+collects the conversation's records from the gateway (the exact token ids in and out, log-probs
+and versions of every call) and turns them into one trajectory. The gateway is the server's own
+endpoint for ``tandem serve``, which records the calls itself (:class:`ServerGateway`: ``GET
+/tandem/conversations/{id}``), or a recording proxy in the run's process in front of servers
+that keep no such record (vLLM's: ``engines.server.agent_proxy``).
 
 A conversation of several calls becomes one trajectory when each call's prompt extends the
 previous call's prompt and output (the chat template re-renders the history the same way):
@@ -32,7 +35,7 @@ import contextlib
 import inspect
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any
+from typing import Protocol
 
 import structlog
 from pydantic import SecretStr
@@ -41,15 +44,38 @@ from tandem.core.config import ConfigError, import_named
 from tandem.core.protocols import Agent, AgentRun, AgentSession, RolloutRequest, SamplingParams
 from tandem.core.records import FinishReason, ResumePolicy, Trajectory, token_trajectory
 from tandem.engines.server.openai_api import CONVERSATION_HEADER
-from tandem.engines.server.router import ServerRolloutEngine
+from tandem.engines.server.router import Endpoint, ServerRolloutEngine
 from tandem.engines.server.schemas import ConversationRecord
 
-__all__ = ["OpenAIAgentWorkflow", "agent_session", "load_agent", "records_to_trajectory"]
+__all__ = ["AgentGateway", "OpenAIAgentWorkflow", "ServerGateway", "agent_session", "load_agent", "records_to_trajectory"]
 
 log = structlog.get_logger("tandem.agent")
 # How long a session's exit may take before the run ends without it: user code (closing clients,
 # sandboxes) must not keep a finished run, and the servers it talks to, from stopping.
 SESSION_EXIT_TIMEOUT_S = 30.0
+
+
+class AgentGateway(Protocol):
+    """Where an episode's agent calls when its group was given ``endpoint``, and where that
+    conversation's records are read back once the agent is done (each record read once)."""
+
+    async def base_url(self, endpoint: Endpoint) -> str:
+        """The ``/v1`` base URL for ``openai.AsyncOpenAI``."""
+        ...
+
+    async def records(self, endpoint: Endpoint, conversation_id: str) -> list[ConversationRecord]:
+        """The conversation's records, in the order its calls finished; then forgotten."""
+        ...
+
+
+class ServerGateway:
+    """The servers' own OpenAI endpoint, for servers that record the calls (``tandem serve``)."""
+
+    async def base_url(self, endpoint: Endpoint) -> str:
+        return endpoint.url + "/v1"
+
+    async def records(self, endpoint: Endpoint, conversation_id: str) -> list[ConversationRecord]:
+        return await endpoint.client.conversation(conversation_id)
 
 
 def agent_session(agent: Agent) -> AgentSession:
@@ -107,9 +133,11 @@ class OpenAIAgentWorkflow:
     code that starts a bundle's router finds it the same way)."""
 
     def __init__(self, engine: ServerRolloutEngine, session: AgentSession, *, decode: Callable[[list[int]], str],
-                 sampling: SamplingParams | None = None, api_key: SecretStr | None = None) -> None:
+                 sampling: SamplingParams | None = None, api_key: SecretStr | None = None,
+                 gateway: AgentGateway | None = None) -> None:
         self.engine = engine
         self._session = session
+        self._gateway = gateway or ServerGateway()
         # the servers' API key for the agents' clients (openai's needs a value even without one)
         self._api_key = api_key.get_secret_value() if api_key is not None else "unused"
         self._decode = decode
@@ -183,16 +211,17 @@ class OpenAIAgentWorkflow:
             if tasks:
                 await asyncio.wait(tasks)
 
-    async def _episode(self, agent: Agent, request: RolloutRequest, endpoint: Any) -> Trajectory:
+    async def _episode(self, agent: Agent, request: RolloutRequest, endpoint: Endpoint) -> Trajectory:
         conversation = f"{request.prompt_id}-{request.index}-{uuid.uuid4().hex[:12]}"
-        run = AgentRun(
-            base_url=endpoint.url + "/v1", conversation_id=conversation, item=request.group.item, seed=request.seed,
-            evaluation=request.evaluation, sampling=self._sampling, extra_body={"conversation_id": conversation},
-            headers={CONVERSATION_HEADER: conversation}, api_key=self._api_key,
-        )
         try:
+            run = AgentRun(
+                base_url=await self._gateway.base_url(endpoint), conversation_id=conversation, item=request.group.item,
+                seed=request.seed, evaluation=request.evaluation, sampling=self._sampling,
+                extra_body={"conversation_id": conversation}, headers={CONVERSATION_HEADER: conversation},
+                api_key=self._api_key,
+            )
             await agent(run)
-            records = await endpoint.client.conversation(conversation)
+            records = await self._gateway.records(endpoint, conversation)
         finally:
             endpoint.outstanding -= 1
         return records_to_trajectory(request.prompt_id, request.index, records, self._decode)

@@ -43,13 +43,11 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import structlog
 from aiohttp import web
 from pydantic import SecretStr
 
 from tandem.core.protocols import GenerationRequest
-from tandem.core.protocols import SamplingParams as EngineSampling
 from tandem.core.records import FinishReason, Trajectory
 from tandem.engines.server.auth import ApiKeys, auth_middleware, check_bind
 from tandem.engines.server.engine import Partial, Running, ServedEngine
@@ -57,6 +55,7 @@ from tandem.engines.server.http import error_body, error_response, parse
 from tandem.engines.server.limits import Admission, BusyError, ServerLimits, busy_response
 from tandem.engines.server.options import ADMIN_KEY_ENV, API_KEY_ENV
 from tandem.engines.server.receive import WeightUpdates
+from tandem.engines.server.sampling import engine_request
 from tandem.engines.server.schemas import (
     AbortReq,
     GenerateReqInput,
@@ -108,7 +107,6 @@ class RolloutServer:
         self._unpaused = asyncio.Event()
         self._unpaused.set()
         self._weights = asyncio.Lock()  # one weight update at a time
-        self._seeds = np.random.default_rng()
         self.on_generated: list[Callable[[str | None, str, GenerationRequest, Trajectory | Partial], None]] = []
 
     @classmethod
@@ -145,6 +143,7 @@ class RolloutServer:
         r.add_get("/get_model_info", self.get_model_info)
         r.add_get("/get_weight_version", self.get_weight_version)
         self.conversations = add_openai_routes(app, self)
+        self.on_generated.append(self.conversations.record)  # a /generate call naming a conversation is filed too
         return app
 
     def close(self) -> None:
@@ -154,29 +153,6 @@ class RolloutServer:
         self.engine.close()
 
     # -------------------------------------------------------------------- generation core
-
-    def engine_request(
-        self, prompt_ids: list[int], params: SamplingParams, seed: int | None, index: int = 0
-    ) -> GenerationRequest:
-        """sglang's sampling parameters as the engine's. Greedy (temperature 0) is top-k 1."""
-        if not prompt_ids:
-            raise ValueError("prompt: no tokens (an empty text or token list)")
-        if params.stop_token_ids:
-            raise ValueError("sampling_params.stop_token_ids: not supported by this server (it stops on the model's eos)")
-        budget = self.context - len(prompt_ids)
-        max_new = params.max_new_tokens if params.max_new_tokens is not None else budget
-        if max_new < 1:
-            raise ValueError(f"max_new_tokens must be >= 1 (a prompt of {len(prompt_ids)} tokens leaves {budget}), got {max_new}")
-        if max_new > budget:
-            raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new}) exceed the context {self.context}")
-        greedy = params.temperature == 0
-        stop = (params.stop,) if isinstance(params.stop, str) else tuple(params.stop or ())
-        sampling = EngineSampling(
-            max_new, 1.0 if greedy else params.temperature, params.top_p, 1 if greedy else max(params.top_k, 0), stop
-        )
-        if seed is None:
-            seed = int(self._seeds.integers(1 << 31))
-        return GenerationRequest(prompt_id=0, index=index, prompt_ids=list(prompt_ids), params=sampling, seed=seed)
 
     def admitted(self, requests: list[GenerationRequest]) -> contextlib.AbstractContextManager[None]:
         """Hold ``requests`` against the server's caps while the caller serves them: ValueError
@@ -191,6 +167,11 @@ class RolloutServer:
         self.running[rid] = running
         running.outcome.add_done_callback(lambda _: self.running.pop(rid, None))
         return running
+
+    async def complete(self, rid: str, request: GenerationRequest) -> Trajectory | Partial:
+        """One request, already :meth:`admitted`, to its end (the OpenAI endpoints' backend call)."""
+        running = await self.start(rid, request)
+        return await self.outcome(rid, running)
 
     async def outcome(self, rid: str, running: Running, conversation_id: str | None = None) -> Trajectory | Partial:
         """Await one request; a cancelled caller (disconnected client) drops it from the engine."""
@@ -258,7 +239,8 @@ class RolloutServer:
             self.admission.check_fits(len(prompts) * n, 0)
             rids = self._rids(req.rid, len(prompts) * n, single and n == 1)
             jobs = [
-                (rids[j * len(prompts) + i], self.engine_request(prompts[i], params_list[i], self._seed(params_list[i], j), j),
+                (rids[j * len(prompts) + i],
+                 engine_request(prompts[i], params_list[i], self._seed(params_list[i], j), context=self.context, index=j),
                  params_list[i], logprob_list[i])
                 for j in range(n) for i in range(len(prompts))
             ]
@@ -397,7 +379,7 @@ class RolloutServer:
         would wait for ``/continue_generation``)."""
         if not self._unpaused.is_set():
             return await self.health(request)
-        gen = self.engine_request([0], SamplingParams(max_new_tokens=1, temperature=0.0), 0)
+        gen = engine_request([0], SamplingParams(max_new_tokens=1, temperature=0.0), 0, context=self.context)
         rid = f"HEALTH_CHECK_{time.time()}"
         try:
             running = await self.start(rid, gen)

@@ -12,10 +12,14 @@ points (an environment variable or a file): started servers get them in their en
 their command line, which the process list and the launch log show), the router, the weight
 transports and the agents send them; none of them is ever logged.
 
+Agents (``engines.servers.agent``) call the servers' own OpenAI endpoint when it records their
+calls (``tandem serve``), else a recording proxy this run serves in front of the router
+(``engines.server.agent_proxy``, for vLLM's servers).
+
 Invariants: nothing here waits for a server (the first call that needs them does, in the
-flow's loop); an agent's session exits first (the async close, in the flow's loop), then the
-close callbacks stop the sync, the router, the servers this run started and the trainer, on
-success, error and Ctrl-C alike.
+flow's loop); an agent's session exits first (the async close, in the flow's loop), then its
+proxy stops, then the close callbacks stop the sync, the router, the servers this run started
+and the trainer, on success, error and Ctrl-C alike.
 """
 
 from __future__ import annotations
@@ -32,7 +36,8 @@ import aiohttp
 from tandem.core.components import Components, TaskSetup
 from tandem.core.config import ConfigError, RolloutServersConfig, TandemConfig, TorchEnginesConfig
 from tandem.core.protocols import RolloutWorkflow
-from tandem.engines.server.agent import OpenAIAgentWorkflow, load_agent
+from tandem.engines.server.agent import OpenAIAgentWorkflow, ServerGateway, load_agent
+from tandem.engines.server.agent_proxy import AgentProxy
 from tandem.engines.server.auth import ApiKeys
 from tandem.engines.server.client import ServerClient
 from tandem.engines.server.launcher import ServerFleet, ServerSpec, sglang_command, tandem_command
@@ -57,6 +62,9 @@ class ServerKind:
     transport: Callable[[ServerRolloutEngine], Transport] | None = None  # None: engines.servers.weight_transport's
     wrap_sync: Callable[[TorchWeightSync], Any] = lambda sync: sync  # the flow's sync around the trainer's
     key_env: Callable[[ApiKeys], dict[str, str]] | None = None  # the environment that gives a started server its key
+    # Whether its OpenAI endpoint records an agent's calls (token ids, log-probs, versions) per
+    # conversation, as tandem serve's does; if not, the run serves its agents a recording proxy.
+    records_agents: bool = True
 
 
 def server_keys(servers: RolloutServersConfig) -> ApiKeys:
@@ -117,6 +125,16 @@ def server_fleet(
     return ServerFleet(specs, startup_timeout_s=servers.startup_timeout_s, max_restarts=servers.max_restarts)
 
 
+def agent_proxy(model_path: str, tokenizer: Any, router: ServerRolloutEngine, keys: ApiKeys) -> AgentProxy:
+    """The recording proxy for agents on servers that keep no record of their calls, serving the
+    model at ``model_path`` with the run's ``tokenizer`` and asking the agents for the API key."""
+    from transformers import AutoConfig
+
+    model = AutoConfig.from_pretrained(model_path)
+    return AgentProxy(router, tokenizer=tokenizer, model_path=model_path, context=int(model.max_position_embeddings),
+                      vocab_size=int(model.vocab_size), api_key=keys.api_key)
+
+
 def build_server_components(config: TandemConfig, setup: TaskSetup, kind: ServerKind | None = None) -> Components:
     """The text workload's bundle with generation in servers (see the module docstring); ``kind``
     None: tandem serve or sglang, as ``engines.rollout`` says."""
@@ -164,6 +182,8 @@ def build_server_components(config: TandemConfig, setup: TaskSetup, kind: Server
             wait_for_server_s=servers.startup_timeout_s, ready=fleet.ready if fleet is not None else None,
             client=kind.client if kind is not None else None, keys=keys,
         )
+        recorded = agent is None or kind is None or kind.records_agents
+        proxy = None if recorded else agent_proxy(model_path, tokenizer, router, keys)
         engine, checkpoint = trainer_with_export(config, train_threads, tokenizer)
         transport: Transport
         if kind is not None and kind.transport is not None:
@@ -194,15 +214,20 @@ def build_server_components(config: TandemConfig, setup: TaskSetup, kind: Server
 
     workflow: RolloutWorkflow
     aclosers: list[Callable[[], Awaitable[None]]] = []
+    closers: list[Callable[[], None]] = []
     if agent is not None:  # imported above: a bad path fails before any server starts
-        workflow = OpenAIAgentWorkflow(router, agent, decode=decode, sampling=sampling_params(config), api_key=keys.api_key)
+        workflow = OpenAIAgentWorkflow(router, agent, decode=decode, sampling=sampling_params(config), api_key=keys.api_key,
+                                       gateway=proxy or ServerGateway())
         aclosers.append(workflow.aclose)  # the agent's session exits while the servers still run
+        if proxy is not None:
+            aclosers.append(proxy.aclose)  # then the proxy it called
+            closers.append(proxy.close)  # its port, if the run's loop ended before the async close
     else:
         workflow = SingleTurnWorkflow(router, sampling_params(config))
 
     # The sync first (a transfer in flight finishes against live servers), then the router, the servers, the trainer.
-    closers = [weight_sync.close, router.close, *([fleet.stop] if fleet is not None else []), engine.close,
-               *([reference.close] if reference is not None else []), lambda: shutil.rmtree(scratch, ignore_errors=True)]
+    closers += [weight_sync.close, router.close, *([fleet.stop] if fleet is not None else []), engine.close,
+                *([reference.close] if reference is not None else []), lambda: shutil.rmtree(scratch, ignore_errors=True)]
     return Components(
         prompts=tokenized(setup.items, encode),
         held_out=tokenized_held_out(setup.task, encode),

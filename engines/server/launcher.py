@@ -13,8 +13,9 @@ Invariants (no orphan survives a run):
   runs the event loop, which lives as long as the driver (the signal follows the thread that
   started a process, not the process);
 - :meth:`ServerFleet.stop` sends SIGTERM to each server's process group, waits up to
-  ``stop_timeout_s``, then SIGKILLs what is left; it runs on success, error and Ctrl-C alike
-  (a components close callback), and a stopped fleet restarts nothing.
+  ``stop_timeout_s`` for the whole group to exit (what a server's helpers clean up, such as
+  vLLM's shared memory, is cleaned), then SIGKILLs what is left; it runs on success, error and
+  Ctrl-C alike (a components close callback), and a stopped fleet restarts nothing.
 """
 
 from __future__ import annotations
@@ -185,7 +186,8 @@ class ServerFleet:
 
         def wait() -> None:
             popen.wait()
-            _kill_group(popen.pid)  # a server's own children (vLLM's engine core, its workers) go with it
+            if not self._stopping:  # stop() ends the group itself, once it had time to clean up
+                _kill_group(popen.pid)  # a server's own children (vLLM's engine core, its workers) go with it
             post_to_loop(loop, self._exited, proc, popen)  # a closed loop: the run is over
 
         threading.Thread(target=wait, name=f"watch-{proc.spec.name}", daemon=True).start()
@@ -223,9 +225,23 @@ class ServerFleet:
             except subprocess.TimeoutExpired:
                 _kill_group(popen.pid)
                 popen.wait()
-            _kill_group(popen.pid)  # children the server left behind when it exited
+            _drain_group(popen.pid, deadline)  # children the server left behind when it exited
         if self._ready is not None and not self._ready.done():
             self._ready.cancel()
+
+
+def _drain_group(pgid: int, deadline: float) -> None:
+    """Give what is left of a stopped server's process group until ``deadline`` to exit, then
+    SIGKILL it. The wait matters for vLLM: its engine core's shared memory (~400 MB of /dev/shm)
+    is unlinked by Python's resource tracker, in the group, only once every process that used
+    it is gone; killed at once, the tracker leaves the segments behind."""
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except (ProcessLookupError, PermissionError):
+            return
+        time.sleep(0.05)  # the group's processes are not our children: no wait() tells when they are gone
+    _kill_group(pgid)
 
 
 def _kill_group(pgid: int) -> None:

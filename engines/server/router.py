@@ -207,7 +207,7 @@ class ServerRolloutEngine:
             for group in groups.values():
                 endpoint = await self.pick()
                 endpoint.outstanding += len(group)  # claimed now, so the next group sees the load
-                tasks.update(asyncio.ensure_future(self._sample(request, endpoint)) for request in group)
+                tasks.update(asyncio.ensure_future(self.sample(request, endpoint)) for request in group)
             while tasks:
                 done, tasks = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
@@ -231,9 +231,10 @@ class ServerRolloutEngine:
             except TimeoutError:
                 raise NoServerError(f"no rollout server in service for {self._wait_s:g} s: {self.urls}") from None
 
-    async def _sample(self, request: GenerationRequest, endpoint: Endpoint) -> Trajectory:
-        """One request, sent once more to another server if its server goes away (the
-        outstanding count of ``endpoint`` was claimed by the caller)."""
+    async def sample(self, request: GenerationRequest, endpoint: Endpoint) -> Trajectory:
+        """One request on ``endpoint``, sent once more to another server if that one goes away.
+        The caller claimed its place in ``endpoint.outstanding`` (released here): a group claims
+        all its requests before the first is sent, so the next group's pick sees the load."""
         try:
             return await self._run(request, endpoint)
         except ServerGoneError as exc:

@@ -109,5 +109,6 @@ def build_vllm_server_components(config: TandemConfig, setup: TaskSetup) -> Comp
         transport=transport,
         wrap_sync=lambda inner: VllmWeightSync(inner, probe),
         key_env=vllm_key_env,
+        records_agents=False,  # its /v1 answers carry no weight versions: agents get the run's recording proxy
     )
     return build_server_components(config, setup, kind)

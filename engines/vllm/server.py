@@ -15,9 +15,11 @@ talk to it:
   (``engines.vllm.worker``) that maps the trainer's shared-memory half, the version, resume;
   and the probe's score (prompt log-probs). These routes need ``VLLM_SERVER_DEV_MODE=1``.
 
-The agents' OpenAI endpoint is vLLM's own (``/v1/completions`` with ``return_token_ids`` and
-log-probs): the router's conversation records are tandem serve's, so an OpenAI-client agent
-on vLLM servers is not wired here (see the README).
+An OpenAI-client agent (``engines.servers.agent``) does not call vLLM's own ``/v1``: its answers
+carry token ids and log-probs but no weight versions, and it keeps no per-conversation record.
+The run serves its agents tandem's OpenAI endpoint instead (``engines.server.agent_proxy``),
+which generates each call through :class:`VllmServerClient` and records it as ``tandem serve``
+does.
 """
 
 from __future__ import annotations

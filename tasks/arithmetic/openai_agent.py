@@ -8,8 +8,9 @@ knows about tandem's engines, and the agent may make several calls (each prompt 
 last call's prompt and output).
 
 Selected by ``engines.servers.agent: tasks.arithmetic.openai_agent:solver`` with
-``engines.rollout: server`` (``configs/arithmetic_openai_agent.yaml``). Needs the ``openai``
-package (``pip install -e .[agents]``).
+``engines.rollout: server`` (``configs/arithmetic_openai_agent.yaml``) or ``vllm_server`` (the
+run then serves the endpoint in front of vLLM's servers). Needs the ``openai`` package
+(``pip install -e .[agents]``).
 """
 
 from __future__ import annotations

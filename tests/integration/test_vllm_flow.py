@@ -1,7 +1,9 @@
 """The flow with vLLM as the rollout engine (``engines.rollout: vllm``, its CPU build) on the
 shipped models: the default job trains with k = 1 under the staleness bound, every sync is
 proven by the probe, the episode workload (FrozenLake) trains turn by turn, and in bfloat16
-the mismatch corrections act on vLLM's real numbers. No vLLM process outlives a run."""
+the mismatch corrections act on vLLM's real numbers; behind the router (``vllm_server``), a
+killed server is replaced and an OpenAI-client agent trains on vLLM's tokens through the run's
+recording proxy. No vLLM process outlives a run."""
 
 from __future__ import annotations
 
@@ -52,6 +54,18 @@ def engine_processes() -> set[int]:
             if p.status() != psutil.STATUS_ZOMBIE and ("vllm.entrypoints" in command or p.name().startswith("VLLM")):
                 found.add(p.pid)
         except psutil.NoSuchProcess:  # exited while we looked
+            continue
+    return found
+
+
+def in_groups(groups: list[int]) -> list[int]:
+    """Live processes in the process groups ``groups`` (a server leads its own group)."""
+    found = []
+    for p in psutil.process_iter():
+        try:
+            if os.getpgid(p.pid) in groups and p.status() != psutil.STATUS_ZOMBIE:
+                found.append(p.pid)
+        except (ProcessLookupError, psutil.NoSuchProcess):  # exited while we looked
             continue
     return found
 
@@ -165,3 +179,50 @@ def test_two_vllm_servers_behind_the_router_train_with_one_killed_in_between(tmp
     assert all(int(s) <= config.staleness.k for s in result.staleness_counts)
     assert result.syncs and all(s.metrics["logprob_gap"] < 1e-4 for s in result.syncs)
     assert not engine_processes() - already, "no vLLM process outlives the run"
+
+
+def test_the_openai_client_agent_trains_two_steps_on_vllm(tmp_path: Path) -> None:
+    """The shipped agent (``openai`` client, ``configs/arithmetic_openai_agent.yaml``) against one
+    vLLM server: its calls reach vLLM through the run's recording proxy, and what trains is
+    vLLM's own tokens, log-probs and versions, equal to the trainer's at that version."""
+    pytest.importorskip("openai")
+    from tandem.engines.server.launcher import ServerFleet
+
+    config = load_config(CONFIGS_DIR / "arithmetic_openai_agent.yaml", [  # the shipped config, made small
+        f"run.output_dir={tmp_path}", "run.max_steps=2", "run.seed=1", "train.prompts_per_step=2",
+        "rollout.samples_per_prompt=4", f"rollout.max_new_tokens={MAX_RESPONSE_TOKENS}", "engines.generation_threads=1",
+        "engines.train_threads=1", "engines.lr=1e-3", "engines.rollout=vllm_server", "engines.vllm.enforce_eager=true",
+        "engines.servers.startup_timeout_s=400", "validation.every_versions=null", "observability.write_run_dir=false",
+        "observability.trace=false", "observability.metrics_port=null",
+    ])  # fmt: skip
+    assert config.engines.servers.agent == "tandem.tasks.arithmetic.openai_agent:solver"
+    me = psutil.Process()
+    listening_before = {c.laddr for c in me.net_connections("inet") if c.status == psutil.CONN_LISTEN}
+    shm_before = set(os.listdir("/dev/shm"))
+
+    async def train() -> tuple[Any, ServerFleet]:
+        components = build_components(config)
+        fleet = next(c.__self__ for c in components.close_callbacks if isinstance(getattr(c, "__self__", None), ServerFleet))
+        try:
+            return await AsyncTrainingFlow(config, components=components).run(), fleet
+        finally:
+            await components.aclose()  # the agent's session, the proxy, then the servers and the trainer
+
+    result, fleet = asyncio.run(train())
+    ledger = result.ledger
+    assert len(result.steps) == 2 and ledger["balanced"] and ledger["dropped"] == 0 and ledger["trained"] == 2 * 2
+    assert all(int(s) <= config.staleness.k for s in result.staleness_counts)  # versions from vLLM, bound kept
+    assert all(r.tokens > 0 for r in result.steps)  # the recorded calls' tokens were trained
+    assert result.syncs and all(s.metrics["logprob_gap"] < 1e-4 for s in result.syncs)
+    # vLLM's recorded log-probs against the trainer's, on every trained token sampled at the
+    # version the trainer then held (fp32): the agent trained on exact behaviour log-probs.
+    metrics = [r.train_metrics for r in result.steps]
+    assert sum(m["rollout_gap_count"] for m in metrics) > 0
+    assert all(m["rollout_gap_abs_max"] < 1e-4 for m in metrics)
+    # Nothing outlives the run: the proxy's port, the server's process group (vLLM's engine core
+    # with it; matched by group, not by name, so another run's vLLM on this machine is not
+    # counted), and vLLM's shared memory (its group was let exit, so its resource tracker unlinked it).
+    assert {c.laddr for c in me.net_connections("inet") if c.status == psutil.CONN_LISTEN} <= listening_before
+    assert fleet.pids and not in_groups(fleet.pids), "no vLLM process outlives the run"
+    left = [n for n in set(os.listdir("/dev/shm")) - shm_before if n.startswith("psm_") and not mapped(f"/dev/shm/{n}")]
+    assert left == [], "the stopped server's shared memory is gone"

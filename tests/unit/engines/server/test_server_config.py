@@ -46,12 +46,19 @@ def test_embedded_is_the_default_and_servers_default_to_one_on_loopback() -> Non
         ({"rollout": "tgi"}, "rollout"),  # not a rollout engine tandem drives
         ({"rollout": "server", "servers": {"request_timeout_s": 0}}, "request_timeout_s"),
         ({"rollout": "server", "servers": {"agent": "tasks.arithmetic.openai_agent"}}, "engines.servers.agent must be"),
-        ({"rollout": "sglang", "servers": {"weight_transport": "dist", "agent": "a:b"}}, "engines.servers.agent needs"),
+        ({"rollout": "sglang", "servers": {"weight_transport": "dist", "agent": "a:b"}},
+         "engines.servers.agent needs engines.rollout=server or vllm_server"),
     ],
 )
 def test_invalid_server_settings_fail_naming_the_field(engines: dict[str, Any], named: str) -> None:
     with pytest.raises(ConfigError, match=named.replace(".", r"\.").replace("=", "=")):
         config(**engines)
+
+
+@pytest.mark.parametrize("rollout", ["server", "vllm_server"])
+def test_an_agent_trains_on_tandem_serve_or_vllm_servers(rollout: str) -> None:
+    # tandem serve records the agent's calls; in front of vLLM's servers the run's proxy does
+    assert config(rollout=rollout, servers={"agent": "a:b"}).engines.servers.agent == "a:b"
 
 
 def test_servers_need_the_local_backend() -> None:

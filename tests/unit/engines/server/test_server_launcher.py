@@ -160,6 +160,36 @@ def test_stop_kills_a_server_that_ignores_sigterm(tmp_path: Path) -> None:
     assert gone(pid) and time.monotonic() - t0 < 10
 
 
+# A helper in the server's process group that, as Python's resource tracker does (it unlinks vLLM's
+# shared memory), ignores SIGTERM and cleans up only once the server has exited.
+HELPER = textwrap.dedent("""
+    import os, signal, sys, time
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    server = os.getppid()
+    while os.getppid() == server:
+        time.sleep(0.05)
+    time.sleep(0.3)  # the cleanup itself
+    open(sys.argv[1], "w").write("cleaned")
+""")
+
+
+def test_stop_lets_a_servers_helpers_clean_up_before_its_group_is_killed(tmp_path: Path) -> None:
+    helper, marker = tmp_path / "helper.py", tmp_path / "cleaned"
+    helper.write_text(HELPER)
+    spec = stand_in(tmp_path, "s")
+    server = tmp_path / "server.py"  # the stand-in, with the helper beside it
+    server.write_text(f"import runpy, subprocess, sys\nsubprocess.Popen([sys.executable, {str(helper)!r}, {str(marker)!r}])\n"
+                      f"runpy.run_path({spec.command[1]!r}, run_name='__main__')\n")
+    spec.command[1] = str(server)
+    fleet = ServerFleet([spec], startup_timeout_s=60, max_restarts=0, stop_timeout_s=10.0)
+    fleet.launch()
+    asyncio.run(fleet.ready())  # from here a thread watches the server's exit, as in a run
+    fleet.stop()
+    assert marker.read_text() == "cleaned"
+    with pytest.raises(ProcessLookupError):
+        os.killpg(fleet.pids[0], 0)  # and then nothing of the group is left
+
+
 def test_no_server_outlives_a_driver_killed_with_sigkill(tmp_path: Path) -> None:
     """The driver has no chance to stop anything: the parent-death signal does."""
     driver = tmp_path / "driver.py"

@@ -8,12 +8,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from pydantic import SecretStr
+
+from tandem.engines.server.agent_proxy import AgentProxy
 from tandem.engines.server.app import RolloutServer, serve
+from tandem.engines.server.auth import ApiKeys
 from tandem.engines.server.launcher import ServerFleet, ServerSpec, tandem_command
+from tandem.engines.server.router import ServerRolloutEngine, running
 from tandem.engines.server.weights import free_port
 
 
@@ -29,6 +34,26 @@ async def served(model_dir: Path, **options: Any) -> AsyncIterator[tuple[Rollout
     finally:
         stop.set()
         await task
+
+
+@contextlib.asynccontextmanager
+async def proxied(model_dir: Path, count: int = 1, *, urls: Sequence[str] = (),
+                  api_key: SecretStr | None = None) -> AsyncIterator[tuple[AgentProxy, ServerRolloutEngine]]:
+    """``count`` in-process servers for ``model_dir`` (after any at ``urls``) behind a router, and
+    the agents' recording proxy in front of it as a run builds it, started; all stopped on the way out."""
+    from tiny_lm import decode
+
+    from tandem.engines.server.build import agent_proxy
+    from tandem.engines.shared.tokenizer import load_tokenizer
+
+    async with contextlib.AsyncExitStack() as stack:
+        urls = [*urls, *[(await stack.enter_async_context(served(model_dir)))[1] for _ in range(count)]]
+        router = await stack.enter_async_context(running(ServerRolloutEngine(
+            urls, decode=decode, live_updates=True, request_timeout_s=60, health_interval_s=30, wait_for_server_s=10)))
+        proxy = agent_proxy(str(model_dir), load_tokenizer(model_dir), router, ApiKeys(api_key=api_key))
+        await proxy.start()
+        stack.push_async_callback(proxy.aclose)
+        yield proxy, router
 
 
 def fleet_of(model_dir: Path, count: int, logs: Path, *, max_restarts: int = 0) -> ServerFleet:
