@@ -25,11 +25,15 @@ install: $(STAMP)
 run: $(STAMP)
 	$(VENV)/bin/tandem run $(CONFIG)
 
+# Two workers, as CI has two cores (tests that share a session's vLLM engine or Ray cluster, or one
+# page's documentation examples, keep to one worker: tests/conftest.py).
+XDIST := -n 2 --dist loadgroup
+
 test: $(STAMP)
-	$(PY) -m pytest -q --durations=15
+	$(PY) -m pytest -q $(XDIST) --durations=15
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not slow" --durations=15
+	$(PY) -m pytest -q $(XDIST) -m "not slow" --durations=15
 
 docs: $(STAMP)
 	$(PY) -m mkdocs build --strict   # into build/site; `$(PY) -m mkdocs serve` to read it while writing

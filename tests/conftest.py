@@ -91,6 +91,22 @@ def wait_until_dead(handle: Any, timeout_s: float = 30.0) -> None:
     raise AssertionError(f"actor {handle} still answers {timeout_s} s after it was killed")
 
 
+# `make test` runs the suite in two pytest-xdist workers (`--dist loadgroup`). A heavy instance
+# shared per session (one Ray cluster, one vLLM engine) must then be shared per *suite*: every test
+# that uses one runs in the same worker, named by its group. Tests that start vLLM processes of
+# their own are marked `xdist_group("vllm")` in their modules: they count the machine's vLLM
+# processes, so no other vLLM may start beside them.
+SHARED_INSTANCE_GROUPS = {"ray_cluster": "ray", "vllm_engine": "vllm"}
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        for fixture, group in SHARED_INSTANCE_GROUPS.items():
+            if fixture in getattr(item, "fixturenames", ()):
+                item.add_marker(pytest.mark.xdist_group(group))
+
+
 @pytest.fixture(scope="session")
 def ray_cluster() -> Any:
     """One local Ray cluster (2 CPUs) for the whole session, started on first use; the Ray

@@ -72,7 +72,9 @@ def _code_examples() -> Iterator[Any]:
     for path in PAGES:
         for i, example in enumerate(_parse(path).examples()):
             if _is_code(example):
-                yield pytest.param(path, i, id=f"{path.relative_to(REPO)}:{example.line}")
+                # One page's examples share a namespace and a folder: under xdist they run in one worker.
+                yield pytest.param(path, i, id=f"{path.relative_to(REPO)}:{example.line}",
+                                   marks=pytest.mark.xdist_group(f"docs:{path.relative_to(REPO)}"))
 
 
 @pytest.fixture(scope="module")

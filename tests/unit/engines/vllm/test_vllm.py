@@ -24,7 +24,7 @@ from tandem.engines.vllm.engine import VllmRolloutEngine, token_versions
 from tandem.engines.vllm.sync import VllmShmTransport, WeightProbe
 from tandem.param_sync import ParamSyncer, SyncError
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600), pytest.mark.xdist_group("vllm")]
 
 PROMPTS = [[3, 4, 12], [5, 6, 7, 8, 13], [9, 2, 14, 15]]
 
