@@ -213,7 +213,8 @@ class VllmConfig(Section):
     go on under the new weights with their prefix recomputed: one trajectory may span versions,
     each token stamped with its own) or ``wait`` (the update waits until they finish under the
     old weights: every trajectory has one version, at the cost of a stall as long as the longest
-    request in flight). vLLM's third mode, ``abort``, would lose their tokens: not offered."""
+    request in flight). ``keep`` is abort-and-resume-with-recompute done inside vLLM, without the
+    round trip; vLLM's third mode, ``abort``, would lose their tokens: not offered."""
     enforce_eager: bool = False
     """vLLM's ``enforce_eager``: run the model eagerly instead of compiling it. Measured here on
     the shipped 1M model (CPU): start 21-25 s instead of 54-71 s, decode 3,700-4,400 tokens/s
