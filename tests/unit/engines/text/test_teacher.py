@@ -21,8 +21,9 @@ from tandem.engines.trainers.torch_train import TEACHER_STATE_FILE
 STAGES = ["dataloader", "generate", "rollout", "teacher_logp", "reward", "train"]
 
 
-def distill_config(student: Path, teacher: Path | None, temperature: float = 1.0) -> TandemConfig:
+def distill_config(student: Path, teacher: Path | None, temperature: float = 1.0, **sections: object) -> TandemConfig:
     return validate_config({
+        **sections,
         "task": {"name": "arithmetic"},
         "engines": {"type": "torch", "model_path": str(student)},
         "flow": {"stages": STAGES},
@@ -98,3 +99,8 @@ def test_a_missing_teacher_is_named(model_dir: Path, tmp_path: Path) -> None:
         teacher_path(distill_config(model_dir, tmp_path / "nowhere"), load_tokenizer(model_dir))
     with pytest.raises(ConfigError, match=r"teacher\.model_path: engines\.type=torch needs the teacher's checkpoint folder"):
         distill_config(model_dir, None)
+
+
+def test_a_teacher_runs_in_this_process_only(model_dir: Path, v1_model_dir: Path) -> None:
+    with pytest.raises(ConfigError, match=r"teacher: the teacher's engine runs in this process \(cluster\.backend=local\)"):
+        distill_config(model_dir, v1_model_dir, cluster={"backend": "ray"})
