@@ -1,12 +1,15 @@
 """The teacher_logp role (on-policy distillation): the teacher scores each sampled token, stamped
 with its fixed version; the train role turns those scores into per-token advantages equal to the
 negative reverse KL computed by hand on a toy vocabulary (plus the task advantage by its weight);
-the teacher and its stage go together in config; a run on the fake engines trains with them."""
+the teacher and its stage go together in config; a run on the fake engines trains with them,
+and checkpoints the teacher so a resumed run scores with the one it started with."""
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Sequence
+from pathlib import Path
 
 import pytest
 
@@ -135,3 +138,47 @@ def test_a_run_on_the_fake_engines_trains_with_the_teachers_advantages() -> None
         assert t.teacher_version == 0 and t.token_advantages == pytest.approx([0.5] * t.num_actions)
     assert [s.train_metrics["teacher_reverse_kl"] for s in result.steps] == pytest.approx([-0.5] * cfg.run.max_steps)
     assert result.roles["teacher_logp"].items == len(trained) // cfg.rollout.samples_per_prompt  # every group scored once
+
+
+class SavedTeacher:
+    """A fake teacher that saves itself: log-probs ``offset`` nats above the behaviour's, its
+    offset standing for its weights."""
+
+    version = 0
+
+    def __init__(self, offset: float) -> None:
+        self.offset = offset
+
+    async def logprobs(self, trajectories: Sequence[Trajectory]) -> list[list[float]]:
+        return [[lp + self.offset for lp in t.behaviour_logprobs] for t in trajectories]
+
+    async def save_state(self, folder: Path) -> None:
+        (folder / "teacher.json").write_text(json.dumps(self.offset))
+
+    async def load_state(self, folder: Path) -> None:
+        self.offset = json.loads((folder / "teacher.json").read_text())
+
+
+def test_a_resumed_run_scores_with_the_teacher_it_checkpointed(tmp_path: Path) -> None:
+    def run(teacher: SavedTeacher, **run: object) -> list[Trajectory]:
+        cfg = make_config(
+            flow={"stages": TEACHER_STAGES}, teacher={}, staleness={"max_staleness": 1},
+            run={"output_dir": str(tmp_path), "name": "d", **run}, observability={"write_run_dir": True, "trace": False},
+        )
+        components, trainer = recording(cfg)
+        components.teacher = teacher
+        try:
+            run_virtual(AsyncTrainingFlow(cfg, components).run())
+        finally:
+            components.close()
+        return [t for batch in trainer.batches for t in batch]
+
+    run(SavedTeacher(0.5), max_steps=4, save_steps=2)
+    saved = tmp_path / "d" / "checkpoints" / "step_00000002"
+    state = json.loads((saved / "flow.json").read_text())
+    assert state["teacher_saved"] and state["in_flight"]  # step 2's prompts were in flight at the checkpoint
+    # Resumed with a teacher built otherwise (its files changed since): the checkpoint's comes back.
+    resumed = run(SavedTeacher(3.0), max_steps=4, resume=str(saved))
+    assert {t.prompt_id for t in resumed} >= set(state["in_flight"])  # generated and scored again
+    for t in resumed:
+        assert t.teacher_logprobs == pytest.approx([lp + 0.5 for lp in t.behaviour_logprobs]) and t.teacher_version == 0
