@@ -21,7 +21,9 @@ from tandem.engines.trainers.torch_train import TEACHER_STATE_FILE
 STAGES = ["dataloader", "generate", "rollout", "teacher_logp", "reward", "train"]
 
 
-def distill_config(student: Path, teacher: Path | None, temperature: float = 1.0, **sections: object) -> TandemConfig:
+def distill_config(
+    student: Path, teacher: Path | None, temperature: float = 1.0, threads: int | None = 1, **sections: object
+) -> TandemConfig:
     return validate_config({
         **sections,
         "task": {"name": "arithmetic"},
@@ -29,7 +31,7 @@ def distill_config(student: Path, teacher: Path | None, temperature: float = 1.0
         "flow": {"stages": STAGES},
         "rollout": {"temperature": temperature},
         "algorithm": {"proximal": "current"},
-        "teacher": {"model_path": None if teacher is None else str(teacher), "threads": 1},
+        "teacher": {"model_path": None if teacher is None else str(teacher), "threads": threads},
     })
 
 
@@ -52,6 +54,18 @@ async def test_the_teacher_scores_at_the_sampling_temperature(model_dir: Path, v
         assert engine.version == 0  # fixed: the teacher never trains
         await engine.save_state(tmp_path)  # in a checkpoint beside the reference's, under its own name
         assert (tmp_path / TEACHER_STATE_FILE).is_file() and TEACHER_STATE_FILE != "reference.pt"
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize(("threads", "budget"), [(None, 2), (1, 1)])
+def test_the_teacher_computes_on_a_thread_budget_of_its_own(
+    model_dir: Path, v1_model_dir: Path, threads: int | None, budget: int
+) -> None:
+    # teacher.threads, else the budget the builder gives it (the trainer's, as the reference gets).
+    engine = teacher_engine(distill_config(model_dir, v1_model_dir, threads=threads), v1_model_dir, num_threads=2)
+    try:
+        assert engine._executor.submit(torch.get_num_threads).result() == budget
     finally:
         engine.close()
 
