@@ -4,9 +4,10 @@ A checkpoint is a folder ``run_dir/checkpoints/step_NNNNNNNN`` (N = the policy v
 
 - the trainer's state (weights, optimizer, LR schedule, version, its RNG), in files the train
   engine writes itself (``TrainEngine.save_state``), so each backend keeps its own format, and
-  the reference model's weights the same way when the reference can save them (a resume then
-  needs no model file to rebuild it), and the state of every engine a role tracks
-  (:meth:`Checkpointer.track`: the critic, which restores itself from ``restored_from``);
+  the frozen scorers' weights (the reference model's, on-policy distillation's teacher's) the
+  same way when they can save themselves (a resume then scores with the very weights the run
+  started with, whatever happened to their model files since), and the state of every engine a
+  role tracks (:meth:`Checkpointer.track`: the critic, which restores itself from ``restored_from``);
 - ``flow.json``: the version, the data position (the next prompt id never admitted), the
   ledger of in-flight work (prompts admitted but not trained or dropped: on resume they are
   generated again, under the staleness rule, rather than lost or trained twice), the trained
@@ -88,10 +89,12 @@ class FlowState:
     config: dict[str, Any]
     syncs: SyncHealth
     reference_saved: bool = False  # the reference model's weights are in the checkpoint too
+    teacher_saved: bool = False  # the teacher's weights are in the checkpoint too
 
     @classmethod
     def capture(
-        cls, version: int, ledger: Ledger, config: TandemConfig, syncs: SyncHealth, reference_saved: bool = False
+        cls, version: int, ledger: Ledger, config: TandemConfig, syncs: SyncHealth,
+        reference_saved: bool = False, teacher_saved: bool = False,
     ) -> FlowState:
         return cls(
             version=version,
@@ -103,6 +106,7 @@ class FlowState:
             config=_fingerprint(config),
             syncs=SyncHealth(**asdict(syncs)),
             reference_saved=reference_saved,
+            teacher_saved=teacher_saved,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -123,6 +127,7 @@ class FlowState:
             config=data["config"],
             syncs=SyncHealth(**data.get("syncs", {})),
             reference_saved=data.get("reference_saved", False),
+            teacher_saved=data.get("teacher_saved", False),
         )
 
 
@@ -136,6 +141,9 @@ def _fingerprint(config: TandemConfig) -> dict[str, Any]:
         out[dotted] = node
     if config.engines.type == "torch":
         out["engines.model_path"] = dumped["engines"]["model_path"]
+    # Another teacher (or one added or removed) would score what is left of the run differently
+    # from what it trained on so far, or restore the wrong weights: the same one, or a fresh run.
+    out["teacher.model_path"] = (dumped["teacher"] or {}).get("model_path")
     return out
 
 
@@ -240,13 +248,17 @@ class Checkpointer:
     """
 
     def __init__(
-        self, config: TandemConfig, run_dir: Path, trainer: TrainEngine, reference: LogProbEngine | None = None
+        self, config: TandemConfig, run_dir: Path, trainer: TrainEngine,
+        reference: LogProbEngine | None = None, teacher: LogProbEngine | None = None,
     ) -> None:
         self._config = config
         self.root = run_dir / CHECKPOINTS_DIR
         self._trainer = trainer
-        # Saved only if it can save itself (a frozen fake has nothing to save).
-        self._reference = reference if isinstance(reference, Checkpointable) else None
+        # The frozen scorers, saved only if they can save themselves (a fake has nothing to save).
+        self._frozen: dict[str, Checkpointable] = {
+            name: engine for name, engine in (("reference", reference), ("teacher", teacher))
+            if isinstance(engine, Checkpointable)
+        }
         self._save_steps = config.run.save_steps
         self._keep = config.run.keep_checkpoints
         self.last_version: int | None = None  # of the newest checkpoint this run wrote
@@ -268,14 +280,15 @@ class Checkpointer:
         """Write a checkpoint of ``version`` with the ledger and sync record as they are now;
         returns its folder."""
         # Before any await: one instant.
-        state = FlowState.capture(version, ledger, self._config, syncs, reference_saved=self._reference is not None)
+        state = FlowState.capture(
+            version, ledger, self._config, syncs,
+            reference_saved="reference" in self._frozen, teacher_saved="teacher" in self._frozen,
+        )
         final = self.root / f"{_PREFIX}{version:08d}"
         tmp = self.root / f"{_TMP}{final.name}-{os.getpid()}"
         await asyncio.to_thread(self._prepare, tmp)
         await self._trainer.save_state(tmp)
-        if self._reference is not None:
-            await self._reference.save_state(tmp)
-        for engine in self._tracked:
+        for engine in [*self._frozen.values(), *self._tracked]:
             await engine.save_state(tmp)
         if self._trainer.version != version:  # a bug in whoever called: the snapshot would be torn
             raise RuntimeError(f"checkpoint of version {version} found the trainer at version {self._trainer.version}")
@@ -314,8 +327,8 @@ class Checkpointer:
         return self.root if resume is True else Path(resume)
 
     async def restore(self, path: Path) -> FlowState:
-        """Load the trainer (and the reference, if saved) from the checkpoint at (or newest under)
-        ``path``; return the flow state."""
+        """Load the trainer (and the frozen scorers that were saved) from the checkpoint at (or
+        newest under) ``path``; return the flow state."""
         folder = await asyncio.to_thread(find_checkpoint, path)
         state = FlowState.from_json(json.loads((folder / FLOW_STATE).read_text()))
         mine = _fingerprint(self._config)
@@ -326,8 +339,10 @@ class Checkpointer:
                 f"(checkpoint, now): {changed}; resume with the same ones"
             )
         await self._trainer.load_state(folder)
-        if state.reference_saved and self._reference is not None:
-            await self._reference.load_state(folder)
+        saved = {"reference": state.reference_saved, "teacher": state.teacher_saved}
+        for name, engine in self._frozen.items():
+            if saved[name]:
+                await engine.load_state(folder)
         random.setstate(state.python_rng)
         self.restored_from = folder
         log.info("resumed", path=str(folder), version=state.version, in_flight=len(state.in_flight))

@@ -38,7 +38,7 @@ class TaskSetup:
 
 @dataclass(slots=True)
 class Components:
-    """Everything the roles compute with. ``reference`` is None when no role needs it."""
+    """Everything the roles compute with. ``reference`` and ``teacher`` are None when no role needs them."""
 
     prompts: PromptSource
     workflow: RolloutWorkflow
@@ -46,6 +46,7 @@ class Components:
     reward: Reward
     weight_sync: WeightSync
     reference: LogProbEngine | None = None
+    teacher: LogProbEngine | None = None  # on-policy distillation's teacher, for the teacher_logp stage
     critic: ValueEngine | None = None  # the value model, when the flow has a critic stage (algorithm.advantage: gae)
     close_callbacks: list[Callable[[], None]] = field(default_factory=list)
     # Closers that must run in the run's event loop (an agent session's exit), before close_callbacks.

@@ -16,8 +16,9 @@ the generic fields. :class:`TokenPayload` is the payload of the token workloads 
 episodes) and lives here because several engines and workflows share it.
 
 Invariants kept by the producers of these records:
-- ``len(behaviour_logprobs) == len(versions)`` (= ``num_actions``), and ``loss_mask``, when
-  set, has that length too;
+- ``len(behaviour_logprobs) == len(versions)`` (= ``num_actions``), and every other per-action
+  list (``loss_mask``, the proximal, reference and teacher log-probs...), when set, has that
+  length too;
 - ``start_version == versions[0]`` when there is at least one action;
 - versions never decrease along a trajectory (weights only move forward);
 - a :class:`TrajectoryGroup` holds exactly ``group.n`` trajectories, indexed ``0..n-1``.
@@ -143,6 +144,10 @@ class Trajectory:
     prox_logprobs: list[float] | None = None  # recomputed by the trainer (decoupled PPO's pi_prox)
     prox_version: int = -1  # trainer version the proximal log-probs were computed with
     ref_logprobs: list[float] | None = None  # from the reference model (ref_logp role)
+    # From the teacher (teacher_logp role, on-policy distillation): its log-prob of each action at
+    # the sampling temperature, and the teacher's version that scored them (fixed: it never trains).
+    teacher_logprobs: list[float] | None = None
+    teacher_version: int = -1
     reward: float | None = None  # the weighted sum of ``rewards``
     rewards: dict[str, float] | None = None  # each named reward before weighting
     reward_info: str = ""  # verifier detail, or the reason a reward failed
@@ -155,10 +160,11 @@ class Trajectory:
     finished_s: float | None = None  # event-loop time the generate role received it (end of its time in flight)
     # With a critic (``algorithm.advantage: gae``): the critic's value of the state before each
     # action, the critic version that scored them, and what the train role derives from them by
-    # GAE: per-action advantages (which the engines train with instead of ``advantage``) and
-    # returns (the critic's regression targets).
+    # GAE: per-action advantages and returns (the critic's regression targets).
     values: list[float] | None = None
     value_version: int = -1
+    # Per-action advantages, which the engines train with instead of ``advantage``: set by the
+    # train role from GAE (with a critic) or from the teacher's log-probs (with a teacher).
     token_advantages: list[float] | None = None
     returns: list[float] | None = None
 

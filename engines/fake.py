@@ -12,6 +12,8 @@ Faithful where the flow's correctness is concerned:
   middle of a sequence: a partial rollout that kept its cache);
 - the train engine's version counts optimizer steps; log-probs have one value per token;
 - the critic (a flow with a critic stage) counts its own optimizer steps; its values move as it trains;
+- the reference and the teacher (a flow with a teacher) are frozen: version 0, log-probs a fixed
+  offset from the behaviour policy's;
 - the fake policy answers a prompt right (its response text is the item's answer) with a
   probability that rises with the weight version it started with, so a run scored by the
   task's reward (the synthetic task's exact match by default) visibly "learns".
@@ -41,6 +43,7 @@ from tandem.core.protocols import LossObjective, Reward, RewardResult, RolloutRe
 from tandem.core.records import FinishReason, PromptGroup, ResumePolicy, TokenPayload, Trajectory
 
 __all__ = [
+    "FakeFrozenScorer",
     "FakeRolloutEngine",
     "FakeTrainEngine",
     "FakeValueEngine",
@@ -336,12 +339,15 @@ class FakeValueEngine:
         self._version, self._baseline = state["version"], state["baseline"]
 
 
-class FakeReferenceEngine:
-    """A frozen reference: log-probs one nat below the behaviour policy's."""
+class FakeFrozenScorer:
+    """A frozen model that only scores, version 0: the reference (log-probs one nat below the
+    behaviour policy's) or distillation's teacher (half a nat above them: every token then has
+    advantage +0.5)."""
 
-    def __init__(self, latency: LatencySampler, faults: FaultInjector | None = None) -> None:
+    def __init__(self, latency: LatencySampler, faults: FaultInjector, offset: float) -> None:
         self._latency = latency
-        self._faults = faults or no_faults("ref_logp")
+        self._faults = faults
+        self._offset = offset
 
     @property
     def version(self) -> int:
@@ -350,7 +356,7 @@ class FakeReferenceEngine:
     async def logprobs(self, trajectories: Sequence[Trajectory]) -> list[list[float]]:
         await self._faults.check()
         await _spend(self._latency())
-        return [[lp - 1.0 for lp in t.behaviour_logprobs] for t in trajectories]
+        return [[lp + self._offset for lp in t.behaviour_logprobs] for t in trajectories]
 
 
 class SlowReward:
@@ -412,7 +418,11 @@ def build_fake_components(config: TandemConfig, setup: TaskSetup) -> Components:
         ),
         reward=SlowReward(setup.reward, LatencySampler(spec.reward_latency, seed + 4), faults("reward", 17)),
         weight_sync=FakeWeightSync(rollout, LatencySampler(spec.sync_latency, seed + 6), faults("param_update", 19)),
-        reference=FakeReferenceEngine(LatencySampler(spec.logp_latency, seed + 7), faults("ref_logp", 21)),
+        reference=FakeFrozenScorer(LatencySampler(spec.logp_latency, seed + 7), faults("ref_logp", 21), offset=-1.0),
+        teacher=(
+            FakeFrozenScorer(LatencySampler(spec.logp_latency, seed + 10), no_faults("teacher_logp"), offset=0.5)
+            if config.teacher is not None else None
+        ),
         critic=(
             FakeValueEngine(LatencySampler(spec.critic_step_latency, seed + 8), LatencySampler(spec.logp_latency, seed + 9))
             if "critic" in config.flow.stages else None

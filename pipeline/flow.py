@@ -187,7 +187,9 @@ class AsyncTrainingFlow:
             loop = asyncio.get_running_loop()
             checkpoints = None
             if run_dir is not None:
-                checkpoints = Checkpointer(cfg, run_dir, components.trainer, reference=components.reference)
+                checkpoints = Checkpointer(
+                    cfg, run_dir, components.trainer, reference=components.reference, teacher=components.teacher
+                )
             resumed = await self._resume(checkpoints, components)
             version = resumed.version if resumed is not None else 0
             clock = VersionClock(trained=version, loaded=version)
@@ -239,9 +241,9 @@ class AsyncTrainingFlow:
             run.port = self.metrics_port = metrics.serve(cfg.observability.metrics_port)
 
     async def _resume(self, checkpoints: Checkpointer | None, components: Components) -> FlowState | None:
-        """Restore the checkpoint ``run.resume`` names, if any: the trainer's (and reference's)
-        state, then the rollout engines' weights (they start from the base model). A missing or
-        damaged checkpoint raises ``CheckpointError``."""
+        """Restore the checkpoint ``run.resume`` names, if any: the trainer's (and the frozen
+        scorers') state, then the rollout engines' weights (they start from the base model). A
+        missing or damaged checkpoint raises ``CheckpointError``."""
         path = checkpoints.resume_path() if checkpoints is not None else None
         if checkpoints is None or path is None:
             return None

@@ -63,8 +63,11 @@ class StageGraph:
     def build(self, services: FlowServices) -> BuiltGraph:
         """One state machine per role (chain first, then the roles beside it), the chain's
         channels, and one lock shared by each lock group's roles."""
-        if "ref_logp" in self.chain and services.components.reference is None:
-            raise ValueError("flow.stages has ref_logp but the engines provide no reference model")
+        scorers = {"ref_logp": (services.components.reference, "reference model"),
+                   "teacher_logp": (services.components.teacher, "teacher")}
+        for stage, (engine, what) in scorers.items():
+            if stage in self.chain and engine is None:
+                raise ValueError(f"flow.stages has {stage} but the engines provide no {what}")
         locks: dict[str, asyncio.Lock] = {}
         for group in self.lock_groups:
             lock = asyncio.Lock()

@@ -22,6 +22,7 @@ from tandem.state_machines.param_update import ParamUpdateStateMachine
 from tandem.state_machines.ref_logp import RefLogPStateMachine
 from tandem.state_machines.reward import RewardStateMachine
 from tandem.state_machines.rollout import RolloutStateMachine
+from tandem.state_machines.teacher_logp import TeacherLogPStateMachine
 from tandem.state_machines.train import TrainStateMachine
 from tandem.state_machines.validate import ValidateStateMachine
 
@@ -35,6 +36,7 @@ ROLE_STATE_MACHINES: dict[str, type[StateMachine]] = {
         RolloutStateMachine,
         LogPStateMachine,
         RefLogPStateMachine,
+        TeacherLogPStateMachine,
         CriticStateMachine,
         RewardStateMachine,
         TrainStateMachine,

@@ -1,7 +1,8 @@
 """The train role: one optimizer step per training step, on exactly that step's groups.
 
 It owns the algorithm: each group's advantages come from ``algorithms`` by the configured name
-(``algorithm.advantage``: a group estimator over the rewards, or GAE over a critic's values),
+(``algorithm.advantage``: a group estimator over the rewards, or GAE over a critic's values; with
+a teacher, per-token advantages from its log-probs, ``state_machines.teacher_logp.distill``),
 rewards are shaped as configured first (DAPO's soft over-long penalty), decoupled PPO's proximal
 log-probs come from where ``algorithm.proximal`` says (``recompute``: the trainer's at this very
 step, rescored if the logp role scored them at an older version), and the engine is handed the
@@ -42,6 +43,7 @@ from tandem.core.records import FinishReason, Trajectory, TrajectoryGroup
 from tandem.state_machines.base import FlowServices, State, StateMachine
 from tandem.state_machines.consumption import Consumption, version_span
 from tandem.state_machines.critic import CriticBatch
+from tandem.state_machines.teacher_logp import distill, mean_reverse_kl
 
 __all__ = ["TrainStateMachine"]
 
@@ -104,8 +106,9 @@ class TrainStateMachine(StateMachine):
         ]
 
     def advantages(self, batch: list[TrajectoryGroup]) -> list[Trajectory]:
-        """Set every trajectory's advantage from its group's (shaped) rewards, or its per-action
-        advantages and returns by GAE; return the trajectories."""
+        """Set every trajectory's advantage from its group's (shaped) rewards, then with a teacher
+        its per-action advantages from the teacher's log-probs; or its per-action advantages and
+        returns by GAE. Return the trajectories."""
         algo = self.config.algorithm
         rewards = [self.shaped_rewards(group) for group in batch]
         if algo.advantage == "gae":
@@ -114,7 +117,10 @@ class TrainStateMachine(StateMachine):
         for group, advantages in zip(batch, compute_advantages(algo.advantage, rewards, **options), strict=True):
             for trajectory, advantage in zip(group.trajectories, advantages.tolist(), strict=True):
                 trajectory.advantage = advantage
-        return [t for g in batch for t in g.trajectories]
+        trajectories = [t for g in batch for t in g.trajectories]
+        if self.config.teacher is not None:
+            distill(trajectories, self.config.teacher.reward_weight)
+        return trajectories
 
     def _gae(self, batch: list[TrajectoryGroup], scores: list[float]) -> list[Trajectory]:
         """GAE over the critic's values with the outcome reward on each trajectory's last trained
@@ -172,6 +178,8 @@ class TrainStateMachine(StateMachine):
             extra["prox_rescored_fraction"] = rescored / len(trajectories)
         if self.config.algorithm.overlong_filter:
             extra["overlong_filtered_fraction"] = filtered / len(trajectories)
+        if self.config.teacher is not None:
+            extra["teacher_reverse_kl"] = mean_reverse_kl(trajectories)
         return {**metrics, **extra}
 
     @property

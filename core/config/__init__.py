@@ -10,8 +10,9 @@ The parts, each small enough to hold in mind:
   rollout, validation, observability);
 - :mod:`~tandem.core.config.workloads`: the task and its rewards, images, episodes;
 - :mod:`~tandem.core.config.engines`, :mod:`~tandem.core.config.algorithm`,
-  :mod:`~tandem.core.config.cluster`: those sections, each with the rules it imposes on the rest
-  (a rollout placement's needs, the loss's inputs, a Ray cluster's limits);
+  :mod:`~tandem.core.config.cluster`, :mod:`~tandem.core.config.teacher`: those sections, each
+  with the rules it imposes on the rest (a rollout placement's needs, the loss's inputs, a Ray
+  cluster's limits, what distillation needs);
 - :mod:`~tandem.core.config.schema`: ``TandemConfig``, the whole run, which runs those rules;
 - :mod:`~tandem.core.config.loading`: YAML, overrides, errors that name the field;
 - :mod:`~tandem.core.config.errors`: ``ConfigError`` and ``import_named``.
@@ -50,6 +51,7 @@ from tandem.core.config.run import (
     ValidationConfig,
 )
 from tandem.core.config.schema import TandemConfig
+from tandem.core.config.teacher import TeacherConfig
 from tandem.core.config.workloads import AgenticConfig, DiffusionConfig, RewardFunctionConfig, TaskConfig
 
 __all__ = [
@@ -78,6 +80,7 @@ __all__ = [
     "StalenessConfig",
     "TandemConfig",
     "TaskConfig",
+    "TeacherConfig",
     "TorchEnginesConfig",
     "TrainConfig",
     "ValidationConfig",

@@ -62,7 +62,7 @@ class FakeEnginesConfig(Section):
     train_step_latency: LatencySpec = LatencySpec()
     """Time of one optimizer step."""
     logp_latency: LatencySpec = LatencySpec()
-    """Time to score one micro-batch of log-probs (policy or reference)."""
+    """Time to score one micro-batch of log-probs (policy, reference or teacher)."""
     reward_latency: LatencySpec = LatencySpec()
     """Time to score one micro-batch of rewards."""
     sync_latency: LatencySpec = LatencySpec()

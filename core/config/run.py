@@ -26,7 +26,8 @@ __all__ = [
 
 
 ROLE_NAMES = (
-    "dataloader", "generate", "rollout", "logp", "ref_logp", "critic", "reward", "train", "param_update", "validate",
+    "dataloader", "generate", "rollout", "logp", "ref_logp", "teacher_logp", "critic", "reward", "train", "param_update",
+    "validate",
 )
 # The chain of roles that exchange items over channels; param_update and validate are driven by
 # the version clock instead. A config may insert custom stages anywhere between dataloader and train.
@@ -193,7 +194,8 @@ class FlowConfig(Section):
     stages: list[str] = Field(default_factory=lambda: list(DEFAULT_STAGES))
     """The channel chain, first to last. Must start with dataloader, generate, rollout and end
     with train; ``logp``/``ref_logp`` may be left out; ``critic`` (the value model) goes after rollout
-    with ``algorithm.advantage: gae``; custom stages go anywhere after rollout."""
+    with ``algorithm.advantage: gae``, ``teacher_logp`` (on-policy distillation) after rollout with a
+    ``teacher``; custom stages go anywhere after rollout."""
     custom_stages: dict[str, str] = Field(default_factory=dict)
     """Stage name -> ``module:Class`` of a StateMachine subclass. Naming a built-in role here
     replaces it; a new name adds a stage (list it in ``stages``)."""

@@ -20,6 +20,7 @@ from tandem.core.config.run import (
     ValidationConfig,
 )
 from tandem.core.config.section import Section
+from tandem.core.config.teacher import TeacherConfig, check_teacher
 from tandem.core.config.workloads import AgenticConfig, DiffusionConfig, TaskConfig
 
 __all__ = ["TandemConfig"]
@@ -54,6 +55,8 @@ class TandemConfig(Section):
     """Where the engines run: this process or a Ray cluster."""
     validation: ValidationConfig = ValidationConfig()
     """Held-out evaluation beside training."""
+    teacher: TeacherConfig | None = None
+    """On-policy distillation's teacher (with the ``teacher_logp`` stage); None: no teacher."""
     diffusion: DiffusionConfig = DiffusionConfig()
     """Image sampling and training (used by the image workload only)."""
     agentic: AgenticConfig = AgenticConfig()
@@ -79,6 +82,7 @@ class TandemConfig(Section):
         check_cluster(self)
         check_rollout_placement(self)
         check_algorithm_stages(self)
+        check_teacher(self)
         if self.engines.type != "fake" and self.task.name is None:
             raise ValueError(f"task.name: engines.type={self.engines.type} trains a real model: name its task")
         check_objective_inputs(self)

@@ -67,6 +67,8 @@ def check_image_config(config: TandemConfig) -> TorchEnginesConfig:
             "flow.stages: the image workload's KL is exact (algorithm.kl_estimator=exact, computed by the train "
             "engine against the initial weights): drop the ref_logp stage"
         )
+    if config.teacher is not None:
+        raise ConfigError("teacher: on-policy distillation scores tokens; the image workload's actions are denoising steps")
     return spec
 
 

@@ -4,8 +4,8 @@ What it owns: joining the pieces: the server processes (started here, or the one
 ``engines.servers.urls``, which are left alone), the router over them
 (:class:`~engines.server.router.ServerRolloutEngine`, the workflow's engine), the trainer in
 this process, and the weight sync from the trainer's dual buffer into the servers by the
-configured transport. Everything else (data, tokenization, reward, checkpoints) is the
-embedded bundle's, so the flow sees no difference.
+configured transport. Everything else (data, tokenization, reward, checkpoints, the reference
+and the teacher in this process) is the embedded bundle's, so the flow sees no difference.
 
 Keys (``engines.servers.api_key`` / ``admin_key``) are read here, once, from where the config
 points (an environment variable or a file): started servers get them in their environment (not
@@ -145,6 +145,8 @@ def build_server_components(config: TandemConfig, setup: TaskSetup, kind: Server
         resolve_model_path,
         run_tokenizer,
         sampling_params,
+        teacher_engine,
+        teacher_path,
         thread_budgets,
         tokenized,
         tokenized_held_out,
@@ -158,6 +160,7 @@ def build_server_components(config: TandemConfig, setup: TaskSetup, kind: Server
     model_path = str(resolve_model_path(spec.model_path))
     tokenizer = run_tokenizer(config)
     max_prompt_tokens = prompt_budget(config, tokenizer)  # before anything starts: bad input fails fast
+    teaching = teacher_path(config, tokenizer) if config.teacher is not None else None  # likewise
     encode = prompt_encoder(config, tokenizer, setup.items)
     agent = load_agent(servers.agent) if servers.agent is not None else None
 
@@ -206,6 +209,7 @@ def build_server_components(config: TandemConfig, setup: TaskSetup, kind: Server
         if fleet is not None:
             fleet.on_restart = router.restarted
         reference = reference_engine(config, train_threads) if "ref_logp" in config.flow.stages else None
+        teacher = teacher_engine(config, teaching, train_threads) if teaching is not None else None
     except BaseException:
         if fleet is not None:
             fleet.stop()
@@ -227,7 +231,8 @@ def build_server_components(config: TandemConfig, setup: TaskSetup, kind: Server
 
     # The sync first (a transfer in flight finishes against live servers), then the router, the servers, the trainer.
     closers += [weight_sync.close, router.close, *([fleet.stop] if fleet is not None else []), engine.close,
-                *([reference.close] if reference is not None else []), lambda: shutil.rmtree(scratch, ignore_errors=True)]
+                *[scorer.close for scorer in (reference, teacher) if scorer is not None],
+                lambda: shutil.rmtree(scratch, ignore_errors=True)]
     return Components(
         prompts=tokenized(setup.items, encode),
         held_out=tokenized_held_out(setup.task, encode),
@@ -236,6 +241,7 @@ def build_server_components(config: TandemConfig, setup: TaskSetup, kind: Server
         reward=setup.reward,
         weight_sync=weight_sync,
         reference=reference,
+        teacher=teacher,
         close_callbacks=closers,
         aclose_callbacks=aclosers,
         save_checkpoint=checkpoint,

@@ -1,4 +1,4 @@
-"""Loading a checkpoint's tokenizer exactly as its ``tokenizer.json`` defines it.
+"""Loading a checkpoint's tokenizer exactly as its ``tokenizer.json`` defines it, and comparing two.
 
 transformers 5's ``AutoTokenizer`` picks a class from the model type and lets that class
 replace the normalizer and pre-tokenizer: for any ``qwen2`` checkpoint it installs Qwen's
@@ -14,7 +14,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-__all__ = ["load_tokenizer"]
+__all__ = ["load_tokenizer", "vocabulary_difference"]
 
 
 def load_tokenizer(model_path: str | Path) -> PreTrainedTokenizerBase:
@@ -22,3 +22,15 @@ def load_tokenizer(model_path: str | Path) -> PreTrainedTokenizerBase:
     if (Path(model_path) / "tokenizer.json").is_file():
         return PreTrainedTokenizerFast.from_pretrained(str(model_path))
     return AutoTokenizer.from_pretrained(str(model_path))
+
+
+def vocabulary_difference(ours: PreTrainedTokenizerBase, theirs: PreTrainedTokenizerBase) -> str | None:
+    """None when both tokenizers map every token to the same id, else their first difference in
+    words: two models' log-probs of one token id are comparable only then."""
+    mine, other = ours.get_vocab(), theirs.get_vocab()
+    if mine == other:
+        return None
+    if len(mine) != len(other):
+        return f"{len(mine)} tokens against {len(other)}"
+    token = next(t for t in sorted(mine) if other.get(t) != mine[t])
+    return f"token {token!r} is id {mine[token]} against {other.get(token, 'absent')}"

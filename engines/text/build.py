@@ -31,12 +31,12 @@ from tandem.core.protocols import SamplingParams, WeightSync
 from tandem.core.records import TaskItem
 from tandem.core.task import Task
 from tandem.engines.shared.chat import PromptEncoder, read_chat_template
-from tandem.engines.shared.tokenizer import load_tokenizer
+from tandem.engines.shared.tokenizer import load_tokenizer, vocabulary_difference
 from tandem.engines.shared.weight_sync import TorchWeightSync
 from tandem.engines.text.rollout import HFRolloutEngine
 from tandem.engines.text.workflow import SingleTurnWorkflow
 from tandem.engines.trainers.critic import TorchValueEngine
-from tandem.engines.trainers.torch_train import TorchLogProbEngine, TorchTrainEngine
+from tandem.engines.trainers.torch_train import TEACHER_STATE_FILE, TorchLogProbEngine, TorchTrainEngine
 
 if TYPE_CHECKING:
     from tandem.engines.trainers.group import TrainerGroup
@@ -54,6 +54,8 @@ __all__ = [
     "run_tokenizer",
     "sampling_params",
     "save_checkpoint",
+    "teacher_engine",
+    "teacher_path",
     "thread_budgets",
     "tokenized",
     "tokenized_held_out",
@@ -65,15 +67,15 @@ __all__ = [
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def resolve_model_path(path: Path | None) -> Path:
-    """A model folder as given, else relative to the package root (``tandem.core.paths``); an error names both tries.
-    (The builder fills ``engines.model_path`` from the task when the config leaves it out.)"""
+def resolve_model_path(path: Path | None, field: str = "engines.model_path") -> Path:
+    """A model folder as given, else relative to the package root (``tandem.core.paths``); an error names
+    ``field`` and both tries. (The builder fills ``engines.model_path`` from the task when the config leaves it out.)"""
     if path is None:
-        raise ConfigError("engines.model_path: no model given, and the task ships none")
+        raise ConfigError(f"{field}: no model given, and the task ships none")
     for candidate in (path, PACKAGE_ROOT / path):
         if (candidate / "config.json").is_file():
             return candidate
-    raise ConfigError(f"engines.model_path: no model (config.json) at {path} or {PACKAGE_ROOT / path}")
+    raise ConfigError(f"{field}: no model (config.json) at {path} or {PACKAGE_ROOT / path}")
 
 
 def thread_budgets(config: TandemConfig, cores: int | None = None) -> tuple[int, int]:
@@ -186,6 +188,42 @@ def reference_engine(config: TandemConfig, num_threads: int) -> TorchLogProbEngi
     )
 
 
+def teacher_path(config: TandemConfig, tokenizer: Any) -> Path:
+    """The teacher's checkpoint folder (``teacher.model_path``), checked before any engine starts:
+    its tokenizer must be ``tokenizer`` (the student's :func:`run_tokenizer`) and its model must
+    embed every id of it, or its log-probs would be of other tokens than the student sampled.
+    Raises ``ConfigError`` naming ``teacher.model_path``."""
+    from transformers import AutoConfig
+
+    assert config.teacher is not None
+    path = resolve_model_path(config.teacher.model_path, "teacher.model_path")
+    difference = vocabulary_difference(tokenizer, load_tokenizer(str(path)))
+    if difference is not None:
+        raise ConfigError(
+            f"teacher.model_path {path}: its tokenizer is not the student's ({difference}): the teacher "
+            "would score other tokens than the ones the student sampled"
+        )
+    vocab_size = AutoConfig.from_pretrained(str(path)).vocab_size
+    if len(tokenizer) > vocab_size:
+        raise ConfigError(
+            f"teacher.model_path {path}: the model's vocab_size is {vocab_size} but the tokenizer has {len(tokenizer)} tokens"
+        )
+    return path
+
+
+def teacher_engine(config: TandemConfig, path: Path, num_threads: int) -> TorchLogProbEngine:
+    """On-policy distillation's teacher at ``path`` (:func:`teacher_path`), scoring at the sampling
+    temperature on a worker thread of its own with ``teacher.threads`` threads (default ``num_threads``,
+    the trainer's per-rank budget, as the reference gets); saved as ``teacher.pt`` in checkpoints."""
+    spec, teacher = config.engines, config.teacher
+    assert isinstance(spec, TorchEnginesConfig) and teacher is not None
+    return TorchLogProbEngine(
+        str(path), device=spec.device, dtype=TORCH_DTYPES[spec.dtype], temperature=config.rollout.temperature,
+        max_tokens_per_micro_batch=spec.max_tokens_per_micro_batch, num_threads=teacher.threads or num_threads,
+        state_file=TEACHER_STATE_FILE,
+    )
+
+
 def value_engine(config: TandemConfig, num_threads: int) -> TorchValueEngine:
     """The critic a torch config with a critic stage describes: the task's checkpoint's decoder
     with a scalar head (``engines.trainers.critic``), trained at ``engines.critic_lr`` (default ``lr``)."""
@@ -267,7 +305,7 @@ def build_torch_components(
     config: TandemConfig, setup: TaskSetup, place_rollout: RolloutPlacement = embedded_rollout
 ) -> Components:
     """The text workload's bundle with generation in this process (``place_rollout``) and the
-    trainer, reference and critic as ``engines.train`` says; ``engines.build`` calls it."""
+    trainer, reference, teacher and critic as ``engines.train`` says; ``engines.build`` calls it."""
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # per-load bars would interleave with the run's own display
@@ -276,15 +314,17 @@ def build_torch_components(
     gen_threads, train_threads = thread_budgets(config)
     tokenizer = run_tokenizer(config)
     max_prompt_tokens = prompt_budget(config, tokenizer)  # before any engine starts: bad input fails fast
+    teaching = teacher_path(config, tokenizer) if config.teacher is not None else None  # likewise
     encode = prompt_encoder(config, tokenizer, setup.items)
     engine, checkpoint = trainer_with_export(config, train_threads, tokenizer)
     reference = reference_engine(config, train_threads) if "ref_logp" in config.flow.stages else None
+    teacher = teacher_engine(config, teaching, train_threads) if teaching is not None else None
     critic = value_engine(config, train_threads) if "critic" in config.flow.stages else None
     rollout, weight_sync = place_rollout(config, engine, gen_threads)
 
     # The sync first: a sync in flight finishes against live engines before they stop.
-    closers = [weight_sync.close, rollout.close, engine.close] + ([reference.close] if reference else [])
-    closers += [critic.close] if critic else []
+    closers = [weight_sync.close, rollout.close, engine.close]
+    closers += [beside.close for beside in (reference, teacher, critic) if beside is not None]
     return Components(
         prompts=tokenized(setup.items, encode),
         held_out=tokenized_held_out(setup.task, encode),
@@ -293,6 +333,7 @@ def build_torch_components(
         reward=setup.reward,
         weight_sync=weight_sync,
         reference=reference,
+        teacher=teacher,
         critic=critic,
         close_callbacks=closers,
         save_checkpoint=checkpoint,

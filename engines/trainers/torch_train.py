@@ -51,10 +51,12 @@ from tandem.engines.trainers.loss_loop import StepTotals, accumulate, check_trai
 from tandem.engines.trainers.state import TRAINER_STATE_FILE, load_trainer_state, save_trainer_state
 from tandem.param_sync import unique_weights
 
-__all__ = ["REFERENCE_STATE_FILE", "TRAINER_STATE_FILE", "TorchLogProbEngine", "TorchTrainEngine"]
+__all__ = ["REFERENCE_STATE_FILE", "TEACHER_STATE_FILE", "TRAINER_STATE_FILE", "TorchLogProbEngine", "TorchTrainEngine"]
 
 _T = TypeVar("_T")
-REFERENCE_STATE_FILE = "reference.pt"  # what a frozen scorer's save_state writes there
+# What a frozen scorer's save_state writes into a checkpoint, one file per scorer of a run.
+REFERENCE_STATE_FILE = "reference.pt"
+TEACHER_STATE_FILE = "teacher.pt"
 
 
 class _TorchModelEngine(ClosesOnAThread):
@@ -120,7 +122,8 @@ class _TorchModelEngine(ClosesOnAThread):
 
 
 class TorchLogProbEngine(_TorchModelEngine):
-    """A frozen model (e.g. the KL reference) that only scores; implements ``LogProbEngine``."""
+    """A frozen model (the KL reference, distillation's teacher) that only scores; implements
+    ``LogProbEngine``. ``state_file`` names its file in a checkpoint (one per scorer of a run)."""
 
     def __init__(
         self,
@@ -132,6 +135,7 @@ class TorchLogProbEngine(_TorchModelEngine):
         max_tokens_per_micro_batch: int = 4096,
         num_threads: int = 1,
         version: int = 0,
+        state_file: str = REFERENCE_STATE_FILE,
     ) -> None:
         super().__init__(
             model_path,
@@ -144,16 +148,17 @@ class TorchLogProbEngine(_TorchModelEngine):
             thread_name="torch-logprob",
         )
         self._model.requires_grad_(False)
+        self._state_file = state_file
 
     async def save_state(self, folder: Path) -> None:
-        """Write the weights into ``folder`` (``reference.pt``): a checkpoint then holds the
-        reference a run started with, whatever happens to the model files."""
+        """Write the weights into ``folder`` (``state_file``): a checkpoint then holds the
+        scorer a run started with, whatever happens to the model files."""
         state = {k: v.detach().cpu() for k, v in self._model.state_dict().items()}
-        await self._on_worker(torch.save, state, Path(folder) / REFERENCE_STATE_FILE)
+        await self._on_worker(torch.save, state, Path(folder) / self._state_file)
 
     async def load_state(self, folder: Path) -> None:
         """Load the weights :meth:`save_state` wrote."""
-        state = torch.load(Path(folder) / REFERENCE_STATE_FILE, map_location="cpu", weights_only=True)
+        state = torch.load(Path(folder) / self._state_file, map_location="cpu", weights_only=True)
         await self._on_worker(self._model.load_state_dict, state)
 
 

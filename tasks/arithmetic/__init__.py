@@ -4,7 +4,9 @@ The public face of the task, so other code never hard-codes paths or formats: th
 (``make_task``, found by ``task.name: arithmetic``), the problem generator and prompt format,
 the verifier (the reward), the JSONL reader/writer, and
 ``MODEL_DIR``, the folder of the small model shipped for the task (load it with
-``AutoModelForCausalLM.from_pretrained(MODEL_DIR)`` and ``AutoTokenizer.from_pretrained(MODEL_DIR)``).
+``AutoModelForCausalLM.from_pretrained(MODEL_DIR)`` and ``AutoTokenizer.from_pretrained(MODEL_DIR)``),
+and ``TEACHER_DIR``, a stronger model of the same recipe and tokenizer (on-policy distillation's
+teacher, ``configs/distill_arithmetic.yaml``).
 
 Importing this package pulls in neither torch nor transformers, so reward worker processes
 and the config layer stay light; the tokenizer and pretraining modules import them.
@@ -20,7 +22,7 @@ from tandem.tasks.arithmetic.problems import (
     format_response,
     generate_problems,
 )
-from tandem.tasks.arithmetic.task import MODEL_DIR, ArithmeticTask, make_task
+from tandem.tasks.arithmetic.task import MODEL_DIR, TEACHER_DIR, ArithmeticTask, make_task
 from tandem.tasks.arithmetic.verifier import extract_answer, verify
 
 # One token per character plus <eos>: a max_new_tokens that never truncates a correct answer.
@@ -29,6 +31,7 @@ MAX_RESPONSE_TOKENS = MAX_RESPONSE_CHARS + 1
 __all__ = [
     "MAX_RESPONSE_TOKENS",
     "MODEL_DIR",
+    "TEACHER_DIR",
     "ArithmeticTask",
     "Problem",
     "extract_answer",

@@ -8,9 +8,12 @@ starts from a model that is right only part of the time and has room to improve.
 
 The output folder holds everything ``from_pretrained`` needs (config, safetensors weights,
 tokenizer, ``generation_config.json``) plus ``pretrain_metrics.json`` and a README with the
-measured accuracies. Run::
+measured accuracies and the command that produced it. The shipped model and the stronger teacher
+that ``configs/distill_arithmetic.yaml`` distills into it come from the same recipe, stopped at
+different accuracies::
 
     python -m tasks.arithmetic.pretrain --out tasks/arithmetic/model
+    python -m tasks.arithmetic.pretrain --out tasks/arithmetic/teacher --threads 1 --target-accuracy 0.8
 """
 
 from __future__ import annotations
@@ -181,20 +184,35 @@ def pretrain(args: argparse.Namespace) -> PretrainReport:
         sampled_temperature_1=evaluate(model, tokenizer, report_problems, do_sample=True, seed=args.seed),
         args={k: v for k, v in vars(args).items() if k != "out"},
     )
-    _save(model, tokenizer, report, Path(args.out))
+    _save(model, tokenizer, report, Path(args.out), _command(args))
     return report
 
 
-def _save(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, report: PretrainReport, out: Path) -> None:
+def _command(args: argparse.Namespace) -> str:
+    """The command line that reproduces a run: the script and the arguments that differ from its defaults."""
+    defaults = vars(_parse_args([]))
+    changed = [f"--{name.replace('_', '-')} {value}" for name, value in vars(args).items() if value != defaults[name]]
+    return " ".join(["python -m tasks.arithmetic.pretrain", *changed])
+
+
+def _save(
+    model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, report: PretrainReport, out: Path, command: str
+) -> None:
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)  # model.safetensors, config.json, generation_config.json
     tokenizer.save_pretrained(out)
     (out / "pretrain_metrics.json").write_text(json.dumps(asdict(report), indent=2) + "\n")
-    (out / "README.md").write_text(
+    (out / "README.md").write_text(_readme(report, command))
+
+
+def _readme(report: PretrainReport, command: str) -> str:
+    """What a model folder says about itself: how it was made, and how good it is."""
+    return (
         "# Arithmetic model\n\n"
-        "A small Llama decoder with a character tokenizer, pretrained by "
-        "`python -m tasks.arithmetic.pretrain` on column-scratchpad addition "
-        "(see `tasks/arithmetic/problems.py`) and stopped early so RL has room to improve it.\n\n"
+        f"A small Llama decoder with a character tokenizer, pretrained by `{command}` on column-scratchpad "
+        "addition (see `tasks/arithmetic/problems.py`), stopping once its sampled (temperature 1) accuracy on "
+        f"{report.args['check_problems']} check problems reached {report.args['target_accuracy']} "
+        f"(or after {report.args['max_steps']} steps).\n\n"
         f"- parameters: {report.parameters:,}\n"
         f"- training: {report.steps} steps, {report.train_seconds} s on {report.threads} CPU threads "
         "(wall time on a shared machine)\n"

@@ -1,4 +1,5 @@
-"""The arithmetic task as a plugin: its problem stream, held-out set, verifier and shipped model."""
+"""The arithmetic task as a plugin: its problem stream, held-out set, verifier and shipped models
+(the model RL starts from, and a stronger teacher to distill into it)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,9 @@ from tandem.tasks.arithmetic.problems import REPORT_SEED, generate_problems
 __all__ = ["ArithmeticTask", "make_task"]
 
 MODEL_DIR = Path(__file__).resolve().parent / "model"
+# A stronger model of the same recipe and tokenizer, trained longer: on-policy distillation's
+# teacher for the shipped one (configs/distill_arithmetic.yaml).
+TEACHER_DIR = Path(__file__).resolve().parent / "teacher"
 _CHUNK = 1024  # problems generated per seed block of the training stream
 
 

@@ -41,8 +41,8 @@ def test_the_wheel_holds_only_tandem_with_every_module_configs_and_models(wheel:
     configs = {f"tandem/configs/{path.name}" for path in (ROOT / "configs").glob("*.yaml")}
     assert configs and configs <= set(names)
     assert "tandem/configs/grafana/tandem.json" in names
-    for task in ("arithmetic", "calculator", "frozenlake"):
-        assert {f"tandem/tasks/{task}/model/{f}" for f in ("config.json", "model.safetensors", "tokenizer.json")} <= set(names)
+    for model in ("arithmetic/model", "arithmetic/teacher", "calculator/model", "frozenlake/model"):
+        assert {f"tandem/tasks/{model}/{f}" for f in ("config.json", "model.safetensors", "tokenizer.json")} <= set(names)
     assert "tandem/tasks/digits/model/transformer/diffusion_pytorch_model.safetensors" in names
 
 

@@ -10,9 +10,21 @@ from types import ModuleType
 import pytest
 
 import tandem.algorithms
-from tandem.algorithms import advantages, batch, corrections, flow_grpo, gae, kl, losses, objective, prox, shaping
+from tandem.algorithms import (
+    advantages,
+    batch,
+    corrections,
+    distill,
+    flow_grpo,
+    gae,
+    kl,
+    losses,
+    objective,
+    prox,
+    shaping,
+)
 
-MODULES = [tandem.algorithms, advantages, batch, corrections, flow_grpo, gae, kl, losses, objective, prox, shaping]
+MODULES = [tandem.algorithms, advantages, batch, corrections, distill, flow_grpo, gae, kl, losses, objective, prox, shaping]
 
 
 @pytest.mark.parametrize("module", MODULES, ids=lambda m: m.__name__)

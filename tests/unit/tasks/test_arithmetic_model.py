@@ -1,4 +1,5 @@
-"""The shipped model: loads the ordinary way, is small, generates on CPU, has its metrics."""
+"""The shipped model: loads the ordinary way, is small, generates on CPU, has its metrics; and the
+shipped teacher: the same recipe trained longer, much stronger, with the same tokenizer."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 import tandem.tasks.arithmetic
-from tandem.tasks.arithmetic import MAX_RESPONSE_TOKENS, MODEL_DIR, format_prompt, verify
+from tandem.tasks.arithmetic import MAX_RESPONSE_TOKENS, MODEL_DIR, TEACHER_DIR, format_prompt, verify
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +64,17 @@ def test_recorded_accuracy_is_partial() -> None:
     # The shipped weights are stopped early on purpose: RL must have room to improve them.
     metrics = json.loads((MODEL_DIR / "pretrain_metrics.json").read_text())
     assert 0.15 <= metrics["sampled_temperature_1"]["accuracy"] <= 0.6
+
+
+def test_the_teacher_is_the_same_recipe_trained_to_a_much_higher_accuracy() -> None:
+    student, teacher = (json.loads((d / "pretrain_metrics.json").read_text()) for d in (MODEL_DIR, TEACHER_DIR))
+    assert teacher["parameters"] == student["parameters"]  # ~1M: small enough to ship beside the student
+    assert teacher["sampled_temperature_1"]["accuracy"] >= student["sampled_temperature_1"]["accuracy"] + 0.3
+    # Distillation compares log-probs of one token id under both models: one tokenizer.
+    assert (TEACHER_DIR / "tokenizer.json").read_bytes() == (MODEL_DIR / "tokenizer.json").read_bytes()
+    # Its README names the command that reproduces it, with the arguments its metrics record.
+    readme = (TEACHER_DIR / "README.md").read_text()
+    assert f"--target-accuracy {teacher['args']['target_accuracy']}" in readme and "--out tasks/arithmetic/teacher" in readme
 
 
 def test_public_api_is_listed_and_importable() -> None:

@@ -67,6 +67,9 @@ def test_a_digits_config_builds_the_image_bundle() -> None:
         ({"engines": {"data_parallel": "fsdp2"}}, "engines.data_parallel=fsdp2"),
         ({"algorithm": {"decoupled": False, "kl_estimator": "k3", "kl_coef": 0.1},
           "flow": {"stages": ["dataloader", "generate", "rollout", "ref_logp", "reward", "train"]}}, "exact"),
+        ({"teacher": {"model_path": "tasks/arithmetic/teacher"},
+          "flow": {"stages": ["dataloader", "generate", "rollout", "teacher_logp", "reward", "train"]}},
+         "teacher: on-policy distillation scores tokens"),
     ],
 )
 def test_what_the_image_workload_does_not_do_is_refused_naming_the_field(sections: dict, message: str) -> None:
