@@ -12,7 +12,7 @@ from tandem.core.config.section import Section
 if TYPE_CHECKING:
     from tandem.core.config.schema import TandemConfig
 
-__all__ = ["AlgorithmConfig", "check_algorithm_stages", "check_objective_inputs"]
+__all__ = ["AlgorithmConfig", "check_algorithm_stages", "check_objective_inputs", "check_proximal_schedule"]
 
 
 class AlgorithmConfig(Section):
@@ -153,6 +153,19 @@ def check_algorithm_stages(config: TandemConfig) -> None:
             f"{config.rollout.max_new_tokens}"
         )
 
+
+
+def check_proximal_schedule(config: TandemConfig) -> None:
+    """pi_prox is the policy at the start of the train step for every optimizer step of it: the
+    step's own forward pass is that policy only at its first optimizer step."""
+    algo, train = config.algorithm, config.train
+    if algo.decoupled and algo.proximal == "current" and train.optimizer_steps > 1:
+        raise ValueError(
+            f"algorithm.proximal=current takes pi_prox from the optimizer step's own forward pass, which "
+            f"is pi_prox only at a train step's first optimizer step; train.mini_batches={train.mini_batches} "
+            f"and train.epochs={train.epochs} take {train.optimizer_steps}: use algorithm.proximal=recompute "
+            "(with the logp stage) or loglinear"
+        )
 
 
 def check_objective_inputs(config: TandemConfig) -> None:
