@@ -127,7 +127,7 @@ class DiffusionTrainEngine(ClosesOnAThread):
         self._scheduler = torch.optim.lr_scheduler.LambdaLR(
             self._optimizer, lambda step: 1.0 if warmup_steps == 0 else min(1.0, (step + 1) / warmup_steps)
         )
-        self._steps = InProcessSteps(self._model, self._optimizer, self._scheduler, max_grad_norm, self._weights_lock)
+        self._steps = InProcessSteps(self._model, self._optimizer, self._scheduler, max_grad_norm)
         self._executor = budgeted_executor("diffusion-train", num_threads)
 
     # ----------------------------------------------------------------------------- public API
@@ -268,7 +268,9 @@ class DiffusionTrainEngine(ClosesOnAThread):
         def accumulate_step(part: list[int], progress: float) -> tuple[dict[str, float], int]:
             return self._accumulate([batch[i] for i in part], objective, noise_level, guidance_scale, progress)
 
-        metrics = self._steps.train(parts, accumulate_step, version=self._version, publish=self._publish)
+        metrics = self._steps.train(
+            parts, accumulate_step, weights_lock=self._weights_lock, version=self._version, publish=self._publish
+        )
         # Trained (sample, step) pairs are this workload's actions.
         return {**metrics, "tokens": float(sum(t.num_trained for t in batch)), "samples": float(len(batch))}
 

@@ -29,9 +29,8 @@ Invariants:
 from __future__ import annotations
 
 import math
-import threading
 from collections.abc import Callable, Sequence
-from contextlib import ExitStack
+from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass
 
 import torch
@@ -85,19 +84,25 @@ def take_optimizer_steps(parts: Sequence[list[int]], step: OptimizerStep, *, ver
 class InProcessSteps:
     """The optimizer steps of a trainer holding its whole model in this process (the plain torch
     trainer, the image trainer): per step, zero the gradient, accumulate, clip, step the optimizer
-    and the LR schedule, under ``weights_lock`` from the first step on (module docstring)."""
+    and the LR schedule; the trainer's weights lock is held from the first step on (module docstring)."""
 
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     max_grad_norm: float
-    weights_lock: threading.Lock
 
     def train(
-        self, parts: Sequence[list[int]], accumulate: Accumulate, *, version: int, publish: Callable[[], None]
+        self,
+        parts: Sequence[list[int]],
+        accumulate: Accumulate,
+        *,
+        weights_lock: AbstractContextManager[object],
+        version: int,
+        publish: Callable[[], None],
     ) -> dict[str, float]:
-        """Take an optimizer step per part, then ``publish`` the new version (still under the lock);
-        returns the train step's metrics, with its ``micro_batches`` and ``optimizer_steps_total``."""
+        """Take an optimizer step per part, then ``publish`` the new version (still holding
+        ``weights_lock``); returns the train step's metrics, with its ``micro_batches`` and
+        ``optimizer_steps_total``."""
         micro_batches = 0
         with ExitStack() as moving:
 
@@ -109,7 +114,7 @@ class InProcessSteps:
                 micro_batches += count
                 grad_norm = self._clip(version)
                 if progress == 0:
-                    moving.enter_context(self.weights_lock)
+                    moving.enter_context(weights_lock)
                 self.optimizer.step()
                 self.scheduler.step()
                 self.optimizer.zero_grad(set_to_none=True)

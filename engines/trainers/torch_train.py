@@ -199,7 +199,7 @@ class TorchTrainEngine(_TorchModelEngine):
         self._scheduler = torch.optim.lr_scheduler.LambdaLR(
             self._optimizer, lambda step: 1.0 if warmup_steps == 0 else min(1.0, (step + 1) / warmup_steps)
         )
-        self._steps = InProcessSteps(self._model, self._optimizer, self._scheduler, max_grad_norm, self._weights_lock)
+        self._steps = InProcessSteps(self._model, self._optimizer, self._scheduler, max_grad_norm)
 
     async def train_step(
         self, batch: Sequence[Trajectory], objective: LossObjective, mini_batches: Sequence[Sequence[int]] | None = None
@@ -306,8 +306,9 @@ class TorchTrainEngine(_TorchModelEngine):
             )  # fmt: skip
 
         metrics = self._steps.train(
-            step_parts(samples, mini_batches), accumulate_step, version=self._version, publish=self._publish
-        )
+            step_parts(samples, mini_batches), accumulate_step,
+            weights_lock=self._weights_lock, version=self._version, publish=self._publish,
+        )  # fmt: skip
         return {**metrics, "tokens": float(sum(s.num_trained for s in samples)), "samples": float(len(samples))}
 
     def _publish(self) -> None:
