@@ -277,18 +277,20 @@ async def test_one_mini_batch_of_one_epoch_is_the_train_step_before_mini_batches
     assert all(torch.equal(trained[name], expected[name]) for name in expected)
 
 
-async def test_each_mini_batch_is_an_optimizer_step_of_its_own_inside_one_version(model_dir: Path) -> None:
+@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+async def test_each_mini_batch_is_an_optimizer_step_of_its_own_inside_one_version(model_dir: Path, aggregation: str) -> None:
     # Two mini-batches in one train step train exactly as two train steps on them would: each
-    # its own loss over its own tokens, its own clipping, its own LR-schedule step; only the
-    # version counts one.
+    # its own loss aggregated over its own tokens or sequences (DAPO's token mean included), its
+    # own clipping, its own LR-schedule step; only the version counts one.
     batch = make_batch(groups=4)
     halves = plan(batch, 2)
+    objective = PolicyObjective(AlgorithmConfig(decoupled=False, aggregation=aggregation))
     async with (
         TorchTrainEngine(str(model_dir), lr=1e-2, warmup_steps=4) as together,
         TorchTrainEngine(str(model_dir), lr=1e-2, warmup_steps=4) as apart,
     ):
-        metrics = await together.train_step(batch, pg_loss, halves)
-        separate = [await apart.train_step([batch[i] for i in half], pg_loss) for half in halves]
+        metrics = await together.train_step(batch, objective, halves)
+        separate = [await apart.train_step([batch[i] for i in half], objective) for half in halves]
         assert (together.version, apart.version) == (1, 2)
         assert weights_of(together.model).keys() == weights_of(apart.model).keys()
         assert all(torch.equal(p, weights_of(apart.model)[n]) for n, p in weights_of(together.model).items())
