@@ -198,4 +198,5 @@ class TorchValueEngine:
         self._model.load_state_dict(state["model"])
         self._optimizer.load_state_dict(state["optimizer"])
         self._version = state["version"]
-        self._optimizer_steps = state["optimizer_steps"]
+        # A checkpoint from before mini-batches took one optimizer step per version.
+        self._optimizer_steps = state.get("optimizer_steps", state["version"])
