@@ -4,7 +4,8 @@ What it owns: functions of their inputs with no state, tested against hand-compu
 ``tests/unit/algorithms``. What it may import: numpy, torch and the standard library; nothing
 of ours (every other package may import it).
 
-The package itself imports no torch: it exports the advantage estimators (numpy) and the
+The package itself imports no torch: it exports the advantage estimators (numpy), the
+mini-batch plan of a train step (:mod:`algorithms.mini_batches`) and the
 :class:`PolicyObjective` the train role hands an engine. The torch math lives in its modules,
 imported by name where it is used: :mod:`algorithms.losses` (policy losses, aggregation),
 :mod:`algorithms.kl` (KL estimators), :mod:`algorithms.batch` (:class:`LossInputs`, the
@@ -20,6 +21,7 @@ from tandem.algorithms.advantages import (
     reinforce_advantages,
     rloo_advantages,
 )
+from tandem.algorithms.mini_batches import plan_mini_batches
 from tandem.algorithms.objective import PROXIMAL_SOURCES, LossMeanOver, PolicyObjective, ProximalSource, ValueObjective
 
 __all__ = [
@@ -33,6 +35,7 @@ __all__ = [
     "ValueObjective",
     "compute_advantages",
     "grpo_advantages",
+    "plan_mini_batches",
     "reinforce_advantages",
     "rloo_advantages",
 ]

@@ -40,3 +40,11 @@ class LossInputs:
     # version): there ``behaviour_logprobs - logprobs`` is the engines' numerical mismatch alone
     # (``algorithms.corrections.mismatch_metrics``). None: the engine does not say.
     fresh: torch.Tensor | None = None
+    # Where ``logprobs`` stand in version time, for log-linear proximal log-probs
+    # (``algorithms.prox``): the policy version that sampled each token (-1 on padding), the
+    # version the train step started from (pi_prox's) and that of the weights ``logprobs`` come
+    # from: the step's version plus the share of its optimizer steps already taken (a train step
+    # is one version however many optimizer steps it takes). None: the engine does not say.
+    versions: torch.Tensor | None = None
+    prox_version: int | None = None
+    current_version: float | None = None

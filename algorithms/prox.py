@@ -28,12 +28,16 @@ Trade-offs (what a config choosing it accepts):
 - with ``current_logprobs`` from the train step's own forward pass, the result must be data:
   it is returned detached, so the PPO ratio ``pi_theta / pi_prox`` keeps its gradient.
 
-In tandem one train step is one optimizer step, so the forward pass inside the step runs at
-the proximal version (``v_cur == v_prox``): ``alpha`` is 1 for every token and the "approximation"
-is exact, ``log pi_prox = sg(log pi_theta)`` (given a deterministic forward: no dropout). The
-interpolation matters where ``current_logprobs`` come from a later version than ``v_prox``
-(several optimizer steps per batch, as AReaL's minibatches). Reusing the behaviour log-probs
-(``alpha = 0`` everywhere) is exact only at staleness 0 and without a numerical mismatch.
+In tandem a train step is one version however many optimizer steps it takes
+(``train.mini_batches`` times ``train.epochs``): pi_prox is the policy at the step's start
+(``v_prox``), and the weights after ``j`` of its ``n`` optimizer steps stand at ``v_cur = v_prox +
+j / n`` in version time. At the step's first optimizer step the forward pass runs at the
+proximal version (``v_cur == v_prox``): ``alpha`` is 1 for every token and the "approximation" is
+exact, ``log pi_prox = sg(log pi_theta)`` (given a deterministic forward: no dropout), which is
+``proximal: current``. At later ones it interpolates: a token sampled at ``v_prox`` itself gets
+``alpha = 0`` (pi_prox := pi_behav, exact up to the engines' numerical mismatch), an older one
+a weight between. Reusing the behaviour log-probs (``alpha = 0`` everywhere) is exact only at
+staleness 0 and without a numerical mismatch.
 
 Invariants: pure; output has the inputs' shape; positions with ``mask == 0`` (padding, the
 environment's tokens) are returned as the behaviour log-probs and their versions are not read;
@@ -56,7 +60,7 @@ def loglinear_prox_logprobs(
     mask: torch.Tensor,
     *,
     prox_version: int,
-    current_version: int,
+    current_version: float,
 ) -> torch.Tensor:
     """``log pi_prox`` by AReaL's log-linear interpolation between the behaviour log-probs
     (sampled at ``behaviour_versions``, per token) and ``current_logprobs`` (at
@@ -72,7 +76,7 @@ def loglinear_prox_logprobs(
         newest = int(versions.max())
         raise ValueError(f"a token sampled at version {newest} is newer than the proximal policy (version {prox_version})")
     span = current_version - versions
-    alpha = torch.where(span > 0, (prox_version - versions) / span.clamp(min=1), 1.0).clamp(0.0, 1.0)
+    alpha = torch.where(span > 0, (prox_version - versions) / torch.where(span > 0, span, 1.0), 1.0).clamp(0.0, 1.0)
     behaviour = behaviour_logprobs.detach()
     interpolated = behaviour + alpha.to(behaviour.dtype) * (current_logprobs.detach() - behaviour)
     return torch.where(real, interpolated, behaviour)

@@ -27,7 +27,8 @@ __all__ = [
 
 @dataclass(slots=True)
 class StepRecord:
-    """One optimizer step. ``staleness`` holds, per group, trained step minus start version;
+    """One train step (one version; ``train_metrics`` count its ``optimizer_steps`` and the run's
+    ``optimizer_steps_total``). ``staleness`` holds, per group, trained step minus start version;
     ``staleness_bound`` is the admission bound in force when the step trained (below the
     configured k while weight-sync failures hold the flow degraded).
 

@@ -10,7 +10,8 @@ the event loop while the work runs (a thread, a process or a remote actor), neve
   completion, a multi-turn episode, a denoising run).
 - :class:`RolloutEngine` is the token-level engine text workflows drive.
 - :class:`LogProbEngine` / :class:`TrainEngine` score trajectories and take optimizer steps;
-  they know no algorithm: the train role hands them a :class:`LossObjective`.
+  they know no algorithm: the train role hands them a :class:`LossObjective` and the plan of
+  the step's mini-batches (``algorithms.mini_batches``).
 - :class:`Reward` scores finished trajectories; :class:`WeightSync` moves weights to rollout.
 - :class:`ValueEngine` is a critic (PPO with GAE): values per action, and its own optimizer steps.
 """
@@ -33,6 +34,7 @@ __all__ = [
     "GenerationRequest",
     "LogProbEngine",
     "LossObjective",
+    "PartialTrainStep",
     "Reward",
     "RewardResult",
     "RolloutEngine",
@@ -192,13 +194,32 @@ class Checkpointable(Protocol):
         ...
 
 
+class PartialTrainStep(RuntimeError):
+    """A train step failed after some of its optimizer steps: the trainer's weights are between
+    two versions, named by none, so the step can be neither retried nor dropped (the run stops;
+    it goes on from a checkpoint). ``__cause__`` is the failure."""
+
+    def __init__(self, version: int, taken: int, steps: int) -> None:
+        super().__init__(
+            f"the train step from version {version} failed after {taken} of its {steps} optimizer steps: "
+            "the weights are no version's"
+        )
+        self.version = version
+
+
 @runtime_checkable
 class TrainEngine(LogProbEngine, Checkpointable, Protocol):
-    """Holds the trained policy; one ``train_step`` is one optimizer step (version + 1)."""
+    """Holds the trained policy; one ``train_step`` is one version (version + 1), taking one
+    optimizer step per mini-batch of its plan."""
 
-    async def train_step(self, batch: Sequence[Trajectory], objective: LossObjective) -> dict[str, float]:
-        """One optimizer step on every trajectory of ``batch`` (each carrying its advantage),
-        minimising ``objective``; returns the step's metrics."""
+    async def train_step(
+        self, batch: Sequence[Trajectory], objective: LossObjective, mini_batches: Sequence[Sequence[int]] | None = None
+    ) -> dict[str, float]:
+        """Train on ``batch`` (each trajectory carrying its advantage), minimising ``objective``:
+        one optimizer step per entry of ``mini_batches`` (indices into ``batch``, in order; the
+        train role's plan), or one over the whole batch without them; returns the step's metrics
+        (with ``optimizer_steps`` taken and the trainer's running ``optimizer_steps_total``). A
+        failure after the first optimizer step raises :class:`PartialTrainStep`."""
         ...
 
 
@@ -206,10 +227,10 @@ class TrainEngine(LogProbEngine, Checkpointable, Protocol):
 class ValueEngine(Checkpointable, Protocol):
     """A critic: scores the value of the state before each action, and trains on returns.
 
-    Its ``version`` counts its own optimizer steps, independent of the policy's. It knows no
-    algorithm: the critic role hands ``train_step`` the value objective
-    (``algorithms.objective.ValueObjective``), whose inputs are each trajectory's ``values`` (those its
-    returns were computed with) and ``returns``.
+    Its ``version`` counts the policy steps it has trained on (one ``train_step`` each, however
+    many optimizer steps), independent of the policy's. It knows no algorithm: the critic role
+    hands ``train_step`` the value objective (``algorithms.objective.ValueObjective``), whose
+    inputs are each trajectory's ``values`` (those its returns were computed with) and ``returns``.
     """
 
     @property
@@ -219,8 +240,11 @@ class ValueEngine(Checkpointable, Protocol):
         """Per-action values of each trajectory (the state before each action), aligned with its actions."""
         ...
 
-    async def train_step(self, batch: Sequence[Trajectory], objective: LossObjective) -> dict[str, float]:
-        """One optimizer step of the critic on ``batch``; returns its metrics."""
+    async def train_step(
+        self, batch: Sequence[Trajectory], objective: LossObjective, mini_batches: Sequence[Sequence[int]] | None = None
+    ) -> dict[str, float]:
+        """One critic version on ``batch``: an optimizer step per entry of ``mini_batches`` (as
+        :meth:`TrainEngine.train_step`), or one over the batch; returns its metrics."""
         ...
 
 

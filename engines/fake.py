@@ -10,8 +10,9 @@ Faithful where the flow's correctness is concerned:
 - the rollout engine decodes at most ``slots`` sequences at once and stamps every token with
   the weight version that was loaded when that token was produced (weights may change in the
   middle of a sequence: a partial rollout that kept its cache);
-- the train engine's version counts optimizer steps; log-probs have one value per token;
-- the critic (a flow with a critic stage) counts its own optimizer steps; its values move as it trains;
+- the train engine's version counts train steps, and its ``optimizer_steps`` metrics count one
+  per mini-batch of the step's plan; log-probs have one value per token;
+- the critic (a flow with a critic stage) counts its own train steps; its values move as it trains;
 - the reference and the teacher (a flow with a teacher) are frozen: version 0, log-probs a fixed
   offset from the behaviour policy's;
 - the fake policy answers a prompt right (its response text is the item's answer) with a
@@ -261,7 +262,8 @@ class FakeRolloutEngine:
 
 
 class FakeTrainEngine:
-    """A trainer whose step takes a drawn time; its version counts optimizer steps."""
+    """A trainer whose step takes a drawn time; its version counts train steps, and it counts
+    the optimizer steps of each as a real trainer does (one per mini-batch of the plan)."""
 
     def __init__(
         self,
@@ -275,6 +277,7 @@ class FakeTrainEngine:
         self._train_faults = train_faults or no_faults("train")
         self._logp_faults = logp_faults or no_faults("logp")
         self._version = 0
+        self._optimizer_steps = 0
 
     @property
     def version(self) -> int:
@@ -285,22 +288,33 @@ class FakeTrainEngine:
         await _spend(self._logp_latency())
         return [list(t.behaviour_logprobs) for t in trajectories]
 
-    async def train_step(self, batch: Sequence[Trajectory], objective: LossObjective) -> dict[str, float]:
+    async def train_step(
+        self, batch: Sequence[Trajectory], objective: LossObjective, mini_batches: Sequence[Sequence[int]] | None = None
+    ) -> dict[str, float]:
         await self._train_faults.check()
         await _spend(self._step_latency())
+        steps = 1 if mini_batches is None else len(mini_batches)
         self._version += 1
-        return {"loss": 0.0, "trajectories": float(len(batch))}
+        self._optimizer_steps += steps
+        return {
+            "loss": 0.0,
+            "trajectories": float(len(batch)),
+            "optimizer_steps": float(steps),
+            "optimizer_steps_total": float(self._optimizer_steps),
+        }
 
     async def save_state(self, folder: Path) -> None:
-        """The fake has no weights: its state is its version (a few bytes, written in place)."""
-        (folder / "fake_trainer.json").write_text(json.dumps({"version": self._version}))
+        """The fake has no weights: its state is its counts (a few bytes, written in place)."""
+        state = {"version": self._version, "optimizer_steps": self._optimizer_steps}
+        (folder / "fake_trainer.json").write_text(json.dumps(state))
 
     async def load_state(self, folder: Path) -> None:
-        self._version = json.loads((folder / "fake_trainer.json").read_text())["version"]
+        state = json.loads((folder / "fake_trainer.json").read_text())
+        self._version, self._optimizer_steps = state["version"], state["optimizer_steps"]
 
 
 class FakeValueEngine:
-    """A critic whose step takes a drawn time; its version counts its own optimizer steps.
+    """A critic whose step takes a drawn time; its version counts the policy steps it trained on.
 
     Its value of every state is one number, the mean return of the last batch it trained on
     (0 before any): a baseline that moves as it trains, so the values a policy step gets depend
@@ -321,7 +335,9 @@ class FakeValueEngine:
         await _spend(self._score_latency())
         return [[self._baseline] * t.num_actions for t in trajectories]
 
-    async def train_step(self, batch: Sequence[Trajectory], objective: LossObjective) -> dict[str, float]:
+    async def train_step(
+        self, batch: Sequence[Trajectory], objective: LossObjective, mini_batches: Sequence[Sequence[int]] | None = None
+    ) -> dict[str, float]:
         await _spend(self._step_latency())
         returns = [r for t in batch for r in (t.returns or [])]
         if not returns:

@@ -33,6 +33,7 @@ from tandem.core.channel import EndOfStream, ReceiveChannel, SendChannel
 from tandem.core.config import RoleConfig, TandemConfig
 from tandem.core.history import RunHistory
 from tandem.core.ledger import Ledger, LedgerError
+from tandem.core.protocols import PartialTrainStep
 from tandem.core.records import PromptGroup, Trajectory, TrajectoryGroup
 from tandem.core.staleness import StalenessGate, StalenessViolation, VersionClock
 from tandem.core.trace import TraceRecorder
@@ -66,8 +67,9 @@ _ALLOWED: dict[State, frozenset[State]] = {
     State.FAILED: frozenset(),
 }
 
-# Bugs in the flow itself are never retried or dropped: they stop the run.
-_INVARIANT_ERRORS = (StalenessViolation, LedgerError)
+# Bugs in the flow itself are never retried or dropped: they stop the run. Nor is a train step
+# that failed part-way: its weights are no version's, and neither a retry nor a drop repairs that.
+_INVARIANT_ERRORS = (StalenessViolation, LedgerError, PartialTrainStep)
 
 
 class StageError(RuntimeError):

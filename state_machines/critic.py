@@ -7,11 +7,12 @@ runs two loops that take turns on it:
   the state before each action, stamped with the critic version that computed it;
 - training: after each policy step the train role sends that step's trajectories, carrying the
   GAE returns computed from these values, over the ``train -> critic`` channel (wired by the
-  stage graph); the critic takes one optimizer step on each with PPO's clipped value loss
-  (``algorithm.value_clip_eps``) while the policy trains its next step.
+  stage graph); the critic trains one version on each with PPO's clipped value loss
+  (``algorithm.value_clip_eps``), on the policy step's own mini-batch plan (``train.mini_batches``
+  and ``train.epochs``: as many optimizer steps), while the policy trains its next step.
 
-So the critic runs asynchronously like the policy: its version counts its own optimizer steps and
-advances independently (``tandem_policy_version{role="critic"}``, ``metrics.jsonl`` rows of kind
+So the critic runs asynchronously like the policy: its version counts the policy steps it has
+trained on and advances independently (``tandem_policy_version{role="critic"}``, ``metrics.jsonl`` rows of kind
 ``critic``); how far the values a step trains with lag behind that step is recorded per
 trajectory (``StepRecord.value_staleness``: the policy step minus the critic version, 0 when the
 critic has trained on every earlier step). The channel holds one batch, so the critic's training
@@ -42,10 +43,12 @@ __all__ = ["CriticBatch", "CriticStateMachine"]
 
 @dataclass(slots=True)
 class CriticBatch:
-    """One trained policy step's trajectories, each with its ``values`` and GAE ``returns`` (train -> critic)."""
+    """One trained policy step's trajectories, each with its ``values`` and GAE ``returns``, and the
+    step's mini-batch plan (indices into them, one optimizer step each) (train -> critic)."""
 
     step: int
     trajectories: list[Trajectory]
+    mini_batches: list[list[int]]
 
 
 class CriticStateMachine(Stage[TrajectoryGroup, TrajectoryGroup]):
@@ -98,7 +101,7 @@ class CriticStateMachine(Stage[TrajectoryGroup, TrajectoryGroup]):
         return items
 
     async def _train(self, batches: ReceiveChannel[CriticBatch]) -> None:
-        """One critic step per trained policy step, in order; a step the error policy drops is
+        """One critic version per trained policy step, in order; a step the error policy drops is
         skipped (the critic keeps its weights and version)."""
         loop = asyncio.get_running_loop()
         while True:
@@ -118,4 +121,4 @@ class CriticStateMachine(Stage[TrajectoryGroup, TrajectoryGroup]):
         if missing:
             raise ValueError(f"step {batch.step}: trajectories {missing} reached the critic without values or returns")
         async with self._turns:
-            return await self.engine.train_step(batch.trajectories, self.objective)
+            return await self.engine.train_step(batch.trajectories, self.objective, batch.mini_batches)

@@ -1,13 +1,16 @@
-"""The train role: one optimizer step per training step, on exactly that step's groups.
+"""The train role: one version per training step, on exactly that step's groups.
 
 It owns the algorithm: each group's advantages come from ``algorithms`` by the configured name
 (``algorithm.advantage``: a group estimator over the rewards, or GAE over a critic's values; with
 a teacher, per-token advantages from its log-probs, ``state_machines.teacher_logp.distill``),
 rewards are shaped as configured first (DAPO's soft over-long penalty), decoupled PPO's proximal
 log-probs come from where ``algorithm.proximal`` says (``recompute``: the trainer's at this very
-step, rescored if the logp role scored them at an older version), and the engine is handed the
-configured policy objective (``algorithms.PolicyObjective``): engines compute log-probs and
-gradients and know no algorithm.
+step, rescored if the logp role scored them at an older version), the step's mini-batches are
+planned (``algorithms.mini_batches``: ``train.mini_batches`` of whole groups, shuffled by
+``run.seed`` and the step, for ``train.epochs``: one optimizer step each, all inside the one
+version), and the engine is handed the configured policy objective
+(``algorithms.PolicyObjective``) with that plan: engines compute log-probs and gradients and
+know no algorithm.
 
 Groups arrive in completion order and are judged on arrival (``state_machines.consumption``:
 staleness at consumption, dynamic sampling), which may drop one, send it back to be generated
@@ -35,7 +38,7 @@ import dataclasses
 from collections.abc import Coroutine
 from typing import Any
 
-from tandem.algorithms import PolicyObjective, compute_advantages
+from tandem.algorithms import PolicyObjective, compute_advantages, plan_mini_batches
 from tandem.algorithms.shaping import soft_overlong_penalty
 from tandem.core.channel import SendChannel
 from tandem.core.history import StepRecord
@@ -83,10 +86,18 @@ class TrainStateMachine(StateMachine):
             while step < self.config.run.max_steps and len(pending.get(step, ())) >= per_step:
                 # Prompt order, not arrival order: the same batch always gives the same update.
                 batch = sorted(pending.pop(step), key=lambda g: g.prompt_id)
-                if await self._finish_on_clean_stop(self._train(step, batch)):
-                    await self._feed_critic(step, batch)
+                plan = self.mini_batches(step, batch)
+                if await self._finish_on_clean_stop(self._train(step, batch, plan)):
+                    await self._feed_critic(step, batch, plan)
                     step += 1
         await self._wait_for_critic()
+
+    def mini_batches(self, step: int, batch: list[TrajectoryGroup]) -> list[list[int]]:
+        """The optimizer steps of train step ``step``: indices into its trajectories (group by group,
+        in ``batch``'s order), seeded by the run's seed and the step, so a resumed run trains alike."""
+        train = self.config.train
+        groups = [group.prompt_id for group in batch for _ in group.trajectories]
+        return plan_mini_batches(groups, train.mini_batches, train.epochs, seed=self.config.run.seed, step=step)
 
     def shaped_rewards(self, group: TrajectoryGroup) -> list[float]:
         """The rewards the group's advantages are computed from: each trajectory's reward plus
@@ -165,13 +176,14 @@ class TrainStateMachine(StateMachine):
         kept = [dataclasses.replace(t, loss_mask=[0] * t.num_actions) if c else t for t, c in zip(trajectories, cut, strict=True)]
         return kept, sum(cut)
 
-    async def _step(self, batch: list[TrajectoryGroup]) -> dict[str, float]:
-        """One optimizer step, under the train lock (which the logp role shares): proximal
-        log-probs brought to the trainer's version, advantages set, the objective minimised."""
+    async def _step(self, batch: list[TrajectoryGroup], plan: list[list[int]]) -> dict[str, float]:
+        """One train step, under the train lock (which the logp role shares): proximal log-probs
+        brought to the trainer's version, advantages set, the objective minimised over ``plan``'s
+        mini-batches."""
         trainer = self.services.components.trainer
         trajectories, filtered = self.overlong_filtered(self.advantages(batch))
         scored, rescored = await self.refresh_proximal(trajectories)
-        metrics = await trainer.train_step(trajectories, self.objective)
+        metrics = await trainer.train_step(trajectories, self.objective, plan)
         extra: dict[str, float] = {}
         if self.uses_proximal:
             extra["prox_scored_in_step_fraction"] = scored / len(trajectories)
@@ -197,7 +209,8 @@ class TrainStateMachine(StateMachine):
         keeps the weights still in between). A group scored ahead and then trained a step later
         (withheld to the next step) is scored again, the wasted forward pass the second count
         reports; a proximal version other than the trainer's is never silently trained. (With
-        ``algorithm.proximal: current`` the objective takes them from the step's own forward pass.)
+        ``algorithm.proximal: loglinear`` or ``current`` the objective takes them from the step's
+        own forward passes.)
         """
         if not self.uses_proximal:
             return 0, 0
@@ -216,13 +229,13 @@ class TrainStateMachine(StateMachine):
             raise RuntimeError(f"the trainer moved from version {version} to {trainer.version} while scoring proximal log-probs")
         return len(stale), rescored
 
-    async def _train(self, step: int, batch: list[TrajectoryGroup]) -> bool:
+    async def _train(self, step: int, batch: list[TrajectoryGroup], plan: list[list[int]]) -> bool:
         """Train one step; False if the error policy dropped the batch (the step is refilled)."""
         services = self.services
         loop = asyncio.get_running_loop()
         staleness = [services.gate.check(step, g.oldest_version, g.prompt_id, g.group.admitted_k) for g in batch]
         started = loop.time()
-        metrics = await self.work(batch, lambda: self._step(batch))
+        metrics = await self.work(batch, lambda: self._step(batch, plan))
         if metrics is None:
             return False
         for group in batch:
@@ -265,10 +278,11 @@ class TrainStateMachine(StateMachine):
             await services.checkpoints.after_step(version, services.ledger, services.gate.syncs)
         return True
 
-    async def _feed_critic(self, step: int, batch: list[TrajectoryGroup]) -> None:
-        """Hand a trained step's trajectories to the critic role (waits while it is a step behind)."""
+    async def _feed_critic(self, step: int, batch: list[TrajectoryGroup], plan: list[list[int]]) -> None:
+        """Hand a trained step's trajectories and its mini-batch plan to the critic role (waits
+        while it is a step behind)."""
         if self.critic_batches is not None:
-            await self.critic_batches.send(CriticBatch(step, [t for g in batch for t in g.trajectories]))
+            await self.critic_batches.send(CriticBatch(step, [t for g in batch for t in g.trajectories], plan))
 
     async def _wait_for_critic(self) -> None:
         """End the critic's stream and wait until it has trained on the last step (at most two

@@ -12,7 +12,7 @@ from tandem.core.config.section import Section
 if TYPE_CHECKING:
     from tandem.core.config.schema import TandemConfig
 
-__all__ = ["AlgorithmConfig", "check_algorithm_stages", "check_objective_inputs"]
+__all__ = ["AlgorithmConfig", "check_algorithm_stages", "check_objective_inputs", "check_proximal_schedule"]
 
 
 class AlgorithmConfig(Section):
@@ -29,16 +29,20 @@ class AlgorithmConfig(Section):
     value_clip_eps: float = Field(0.5, gt=0.0)
     """gae: the critic's value clipping (a value may not move more than this from the one its
     returns were computed with, PPO's ``cliprange_value``; verl's default 0.5)."""
-    proximal: Literal["recompute", "current", "behaviour"] = "recompute"
-    """Decoupled PPO: where pi_prox comes from. ``recompute``: a forward pass of the trainer over
-    every sample (the logp stage; rescored at the train step if a newer version trains it);
-    exact, costs one forward pass per sample. ``current``: the train step's own forward pass,
-    detached: exact here because one train step is one optimizer step (pi_theta equals pi_prox
-    in value when the step's forward runs; this is AReaL's log-linear interpolation with
-    v_current = v_prox, so alpha = 1), and free: no logp stage. ``behaviour``: pi_prox := pi_behav,
-    the rollout engine's log-probs: the behaviour weight is 1 and the loss is naive PPO anchored
-    at pi_behav (the same as ``decoupled: false``); exact only at k = 0 with no numerical
-    mismatch between the engines, an explicit approximation otherwise."""
+    proximal: Literal["recompute", "loglinear", "current", "behaviour"] = "recompute"
+    """Decoupled PPO: where pi_prox, the policy at the start of the train step, comes from.
+    ``recompute``: a forward pass of the trainer over every sample (the logp stage; rescored at
+    the train step if a newer version trains it); exact for every optimizer step of the step,
+    costs one forward pass per sample. ``loglinear``: AReaL's log-linear interpolation between
+    the behaviour log-probs and the optimizer step's own forward pass, by version distance
+    (``algorithms.prox``; the weights after j of a step's n optimizer steps stand at version
+    v + j/n); exact at a step's first optimizer step, free: no logp stage. ``current``: the
+    step's own forward pass, detached: exact only while a train step is one optimizer step
+    (``train.mini_batches`` and ``train.epochs`` 1: the forward then runs on pi_prox), refused
+    otherwise; free. ``behaviour``: pi_prox := pi_behav, the rollout engine's log-probs: the
+    behaviour weight is 1 and the loss is naive PPO anchored at pi_behav (the same as
+    ``decoupled: false``); exact only at k = 0 with no numerical mismatch between the engines,
+    an explicit approximation otherwise."""
     dynamic_sampling: bool = False
     """DAPO's dynamic sampling: a group whose (shaped) rewards are all equal is dropped on arrival
     at the train role and its slot refilled with a fresh prompt (grpo and rloo only: their group
@@ -151,6 +155,19 @@ def check_algorithm_stages(config: TandemConfig) -> None:
 
 
 
+def check_proximal_schedule(config: TandemConfig) -> None:
+    """pi_prox is the policy at the start of the train step for every optimizer step of it: the
+    step's own forward pass is that policy only at its first optimizer step."""
+    algo, train = config.algorithm, config.train
+    if algo.decoupled and algo.proximal == "current" and train.optimizer_steps > 1:
+        raise ValueError(
+            f"algorithm.proximal=current takes pi_prox from the optimizer step's own forward pass, which "
+            f"is pi_prox only at a train step's first optimizer step; train.mini_batches={train.mini_batches} "
+            f"and train.epochs={train.epochs} take {train.optimizer_steps}: use algorithm.proximal=recompute "
+            "(with the logp stage) or loglinear"
+        )
+
+
 def check_objective_inputs(config: TandemConfig) -> None:
     """The torch engines' loss reads what the stages produce, and every stage's output is read."""
     if config.engines.type == "torch":
@@ -159,7 +176,8 @@ def check_objective_inputs(config: TandemConfig) -> None:
         if recompute and "logp" not in stages:
             raise ValueError(
                 "algorithm.decoupled needs recomputed log-probs: add 'logp' to flow.stages, "
-                "set algorithm.proximal=current (the train step's own forward pass) or algorithm.decoupled=false"
+                "set algorithm.proximal=loglinear or current (from the train step's own forward pass) "
+                "or algorithm.decoupled=false"
             )
         if "logp" in stages and not recompute:
             raise ValueError(

@@ -53,12 +53,12 @@ class RunConfig(Section):
     seed: int = 0
     """Seed for every random choice of the run (data order, sampling, fake latencies)."""
     max_steps: int = Field(20, ge=1)
-    """Optimizer steps to train; the flow stops cleanly after the last one."""
+    """Train steps (versions) to train; the flow stops cleanly after the last one."""
     output_dir: Path = Path("runs")
     """Where run folders (metrics JSONL, trace, plots, checkpoints) are written."""
     save_steps: int | None = Field(None, ge=1)
     """Write a resumable checkpoint (``checkpoints/step_N`` in the run folder) every this many
-    optimizer steps; one is also written at the end and at a clean stop (Ctrl-C). None: only those."""
+    train steps; one is also written at the end and at a clean stop (Ctrl-C). None: only those."""
     keep_checkpoints: int = Field(2, ge=1)
     """Resumable checkpoints kept; older ones are removed once a newer one is complete."""
     resume: bool | Path = False
@@ -76,7 +76,8 @@ class StalenessConfig(Section):
     """
 
     max_staleness: int | None = Field(None, ge=0)
-    """k: a sample trained at step t was started at policy version >= t - k. 0 = synchronous."""
+    """k: a sample trained at step t was started at policy version >= t - k (a version is a train
+    step, however many optimizer steps it takes: ``train.mini_batches``). 0 = synchronous."""
     max_head_offpolicyness: int | None = Field(None, ge=0)
     """AReaL's name for k."""
     async_generation_ratio: float | None = Field(None, ge=0)
@@ -237,10 +238,40 @@ class FlowConfig(Section):
 
 
 class TrainConfig(Section):
-    """The training side of the schedule."""
+    """The training side of the schedule.
+
+    A train step is one *version*: one published set of weights, whatever the number of
+    optimizer steps it takes (``mini_batches * epochs``). Staleness (``k``), admission, the
+    ledger, param sync and checkpoints count versions."""
 
     prompts_per_step: int = Field(8, ge=1)
-    """Prompt groups per optimizer step (the batch B of the staleness rule)."""
+    """Prompt groups per train step (the batch B of the staleness rule)."""
+    mini_batches: int = Field(1, ge=1)
+    """M: a train step's groups are shuffled (seeded by ``run.seed`` and the step, so a resumed
+    run shuffles alike) and split into M mini-batches of whole groups, each one optimizer step
+    with its own loss aggregation, gradient clipping and LR-schedule step (verl's
+    ``ppo_mini_batch_size`` as a count, AReaL's ``ppo_n_minibatches``); at most
+    ``prompts_per_step``. The critic (``algorithm.advantage: gae``) trains on the same plan.
+    Past the first optimizer step the weights have left pi_prox: decoupled PPO then needs
+    ``algorithm.proximal`` ``recompute`` or ``loglinear`` (``current`` is refused)."""
+    epochs: int = Field(1, ge=1)
+    """E: passes over a train step's groups, reshuffled each pass: the step takes
+    ``mini_batches * epochs`` optimizer steps inside one version (``optimizer_steps`` in the
+    step's ``train_metrics``, with the run's running total ``optimizer_steps_total``)."""
+
+    @model_validator(mode="after")
+    def _mini_batches_fit(self) -> TrainConfig:
+        if self.mini_batches > self.prompts_per_step:
+            raise ValueError(
+                f"train.mini_batches={self.mini_batches} exceeds train.prompts_per_step={self.prompts_per_step}: "
+                "a mini-batch holds whole groups, at least one"
+            )
+        return self
+
+    @property
+    def optimizer_steps(self) -> int:
+        """Optimizer steps per train step."""
+        return self.mini_batches * self.epochs
 
 
 class RolloutConfig(Section):

@@ -5,7 +5,12 @@ from __future__ import annotations
 
 from pydantic import Field, model_validator
 
-from tandem.core.config.algorithm import AlgorithmConfig, check_algorithm_stages, check_objective_inputs
+from tandem.core.config.algorithm import (
+    AlgorithmConfig,
+    check_algorithm_stages,
+    check_objective_inputs,
+    check_proximal_schedule,
+)
 from tandem.core.config.cluster import ClusterConfig, ParamSyncConfig, check_cluster
 from tandem.core.config.engines import EnginesConfig, FakeEnginesConfig, check_rollout_placement
 from tandem.core.config.run import (
@@ -83,6 +88,7 @@ class TandemConfig(Section):
         check_rollout_placement(self)
         check_algorithm_stages(self)
         check_teacher(self)
+        check_proximal_schedule(self)
         if self.engines.type != "fake" and self.task.name is None:
             raise ValueError(f"task.name: engines.type={self.engines.type} trains a real model: name its task")
         check_objective_inputs(self)

@@ -20,14 +20,17 @@ is the exact per-step KL to it, the closed form between the two Gaussian transit
 Invariants:
 - ODE steps (``payload.sde[i]`` False) have no log-prob: they score 0.0 and are never trained
   (a trajectory whose ``loss_mask`` trains one is refused);
-- one ``train_step`` is one optimizer step whatever the number of micro-batches: each
-  micro-batch loss is weighted by its share of the step's trained steps (``mean_over ==
-  "tokens"``) or of its trajectories with a trained step (``"sequences"``);
+- one ``train_step`` is one version: an optimizer step per mini-batch of its plan
+  (``engines.trainers.optimizer_steps``; Flow-GRPO's reference trains several inner epochs too),
+  whatever the number of micro-batches: each micro-batch loss is weighted by its share of the
+  optimizer step's trained steps (``mean_over == "tokens"``) or of its trajectories with a
+  trained step (``"sequences"``);
 - the transformer stays in ``eval()`` mode: dropout would make recomputed log-probs disagree
   with the ones the losses compare them to;
-- the weights and ``version`` change together, only under the weights lock (optimizer step,
-  restore), so ``weights_for_sync`` (held by the param-sync gather, ``engines.shared.weight_sync``)
-  sees one whole version and knows which.
+- the weights and ``version`` change together, only under the weights lock (held from a train
+  step's first optimizer step until its version is published, and by a restore), so
+  ``weights_for_sync`` (held by the param-sync gather, ``engines.shared.weight_sync``) sees one
+  whole version and knows which.
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ from tandem.core.records import Trajectory
 from tandem.engines.diffusion.model import MODEL_INDEX, guided_velocity, load_generator
 from tandem.engines.diffusion.payload import ImagePayload, image_payload
 from tandem.engines.shared.threads import ClosesOnAThread, budgeted_executor
+from tandem.engines.trainers.optimizer_steps import InProcessSteps, step_parts
 from tandem.engines.trainers.state import TRAINER_STATE_FILE, load_trainer_state, restore_trainer_state, save_trainer_state
 from tandem.param_sync import unique_weights
 
@@ -115,7 +119,6 @@ class DiffusionTrainEngine(ClosesOnAThread):
         self._reference = copy.deepcopy(self._model).requires_grad_(False) if kl_reference else None
         self._uncond = self._generator.encode([""])
         self._max_pairs = max_pairs_per_micro_batch
-        self._max_grad_norm = max_grad_norm
         self._version = start_version
         # Held while the weights change (optimizer step, restore) and by a sync reading them
         # from another thread (``weights_for_sync``): that reader never sees a torn step.
@@ -124,6 +127,7 @@ class DiffusionTrainEngine(ClosesOnAThread):
         self._scheduler = torch.optim.lr_scheduler.LambdaLR(
             self._optimizer, lambda step: 1.0 if warmup_steps == 0 else min(1.0, (step + 1) / warmup_steps)
         )
+        self._steps = InProcessSteps(self._model, self._optimizer, self._scheduler, max_grad_norm)
         self._executor = budgeted_executor("diffusion-train", num_threads)
 
     # ----------------------------------------------------------------------------- public API
@@ -141,8 +145,11 @@ class DiffusionTrainEngine(ClosesOnAThread):
         """Per-step log-probs of each trajectory under the current weights (0.0 on ODE steps)."""
         return await self._on_worker(self._score_all, list(trajectories))
 
-    async def train_step(self, batch: Sequence[Trajectory], objective: LossObjective) -> dict[str, float]:
-        """One optimizer step on every trained step of ``batch``; returns its metrics.
+    async def train_step(
+        self, batch: Sequence[Trajectory], objective: LossObjective, mini_batches: Sequence[Sequence[int]] | None = None
+    ) -> dict[str, float]:
+        """One version trained on the trained steps of ``batch``: an optimizer step per entry of
+        ``mini_batches`` (indices into ``batch``, in order), or one on all; returns its metrics.
 
         Every trajectory must carry its ``advantage``; ``prox_logprobs`` are passed to the
         objective when every trajectory has them (refused when only some do).
@@ -150,7 +157,7 @@ class DiffusionTrainEngine(ClosesOnAThread):
         mean_over = objective.mean_over
         if mean_over not in ("tokens", "sequences"):
             raise ValueError(f"objective.mean_over must be 'tokens' or 'sequences', got {mean_over!r}")
-        return await self._on_worker(self._train_step, list(batch), objective)
+        return await self._on_worker(self._train_step, list(batch), objective, mini_batches)
 
     def named_tensors_for_sync(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, full tensor) per weight of the transformer, tied storage once; live and unguarded."""
@@ -251,18 +258,35 @@ class DiffusionTrainEngine(ClosesOnAThread):
                 pairs = len(steps)
         return plan
 
-    def _train_step(self, batch: list[Trajectory], objective: LossObjective) -> dict[str, float]:
+    def _train_step(
+        self, batch: list[Trajectory], objective: LossObjective, mini_batches: Sequence[Sequence[int]] | None
+    ) -> dict[str, float]:
         _check_trainable(batch)
-        samples = [t for t in batch if t.num_trained > 0]
-        if not samples:
-            raise ValueError("train_step on trajectories without trained steps")
+        parts = step_parts(batch, mini_batches)
+        noise_level, guidance_scale = _sampling_settings([image_payload(batch[i]) for part in parts for i in part])
+
+        def accumulate_step(part: list[int], progress: float) -> tuple[dict[str, float], int]:
+            return self._accumulate([batch[i] for i in part], objective, noise_level, guidance_scale, progress)
+
+        metrics = self._steps.train(
+            parts, accumulate_step, weights_lock=self._weights_lock, version=self._version, publish=self._publish
+        )
+        # Trained (sample, step) pairs are this workload's actions.
+        return {**metrics, "tokens": float(sum(t.num_trained for t in batch)), "samples": float(len(batch))}
+
+    def _publish(self) -> None:
+        """The train step's optimizer steps are taken: its weights are the next version (under the weights lock)."""
+        self._version += 1
+
+    def _accumulate(
+        self, samples: list[Trajectory], objective: LossObjective, noise_level: float, guidance_scale: float, progress: float
+    ) -> tuple[dict[str, float], int]:
+        """Add the gradient of one optimizer step's trajectories, micro-batch by micro-batch, each
+        loss weighted by its share of the step; returns the weighted metric sums and micro-batches."""
         payloads = [image_payload(t) for t in samples]
-        noise_level, guidance_scale = _sampling_settings(payloads)
         trained = [[i for i, m in enumerate(_mask(t)) if m] for t in samples]
         total_pairs = sum(len(steps) for steps in trained)
         has_prox = samples[0].prox_logprobs is not None  # uniform over the batch (_check_trainable)
-        lr = self._scheduler.get_last_lr()[0]  # the step's own: the scheduler moves on after it
-        self._optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = {}
         plan = self._micro_batches(trained)
         for group in plan:
@@ -281,32 +305,15 @@ class DiffusionTrainEngine(ClosesOnAThread):
                 mask=mask,
                 prox_logprobs=_padded([t.prox_logprobs for t in rows], width, self._device) if has_prox else None,
                 kl=None if scored.kl is None else torch.zeros(len(rows), width, device=self._device).index_put(index, scored.kl),
+                versions=_padded([t.versions for t in rows], width, self._device, fill=-1.0),
+                prox_version=self._version,
+                current_version=self._version + progress,
             )
             loss, metrics = objective(inputs)
             share = len(pairs.prompts) / total_pairs if objective.mean_over == "tokens" else len(rows) / len(samples)
             (loss * share).backward()
             accumulate_metrics(sums, {**metrics, "loss": float(loss.detach())}, share)
-        grad_norm = self._clip_and_step()
-        return {
-            **sums,
-            "grad_norm": grad_norm,
-            "lr": lr,
-            "tokens": float(total_pairs),  # trained (sample, step) pairs: the actions of this workload
-            "samples": float(len(batch)),
-            "micro_batches": float(len(plan)),
-        }
-
-    def _clip_and_step(self) -> float:
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self._model.parameters(), self._max_grad_norm))
-        if not np.isfinite(grad_norm):
-            self._optimizer.zero_grad(set_to_none=True)
-            raise FloatingPointError(f"non-finite gradient norm {grad_norm} at version {self._version}")
-        with self._weights_lock:  # the weights and their version move together
-            self._optimizer.step()
-            self._version += 1
-        self._scheduler.step()
-        self._optimizer.zero_grad(set_to_none=True)
-        return grad_norm
+        return sums, len(plan)
 
     def _save(self, path: Path) -> None:
         save_trainer_state(path, self._model, self._optimizer, self._scheduler, self._version)
@@ -361,9 +368,9 @@ def _check_trainable(samples: list[Trajectory]) -> None:
             raise ValueError(f"{where}: steps {ode_trained} are ODE steps (no log-prob) but the loss mask trains them")
 
 
-def _padded(rows: Sequence[list[float] | None], width: int, device: torch.device) -> torch.Tensor:
-    """Per-step values right-padded with zeros to ``width``."""
-    out = torch.zeros(len(rows), width, dtype=torch.float32)
+def _padded(rows: Sequence[Sequence[float] | None], width: int, device: torch.device, fill: float = 0.0) -> torch.Tensor:
+    """Per-step values right-padded with ``fill`` to ``width``."""
+    out = torch.full((len(rows), width), fill, dtype=torch.float32)
     for b, values in enumerate(rows):
         assert values is not None  # _check_trainable: all present when this is called
         out[b, : len(values)] = torch.tensor(values, dtype=torch.float32)

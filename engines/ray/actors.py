@@ -152,8 +152,10 @@ class TrainerActor:
         syncer = ParamSyncer(source, transport, produce_bucket_mb=self.config.param_sync.produce_bucket_mb)
         self.weight_sync = TorchWeightSync(source, syncer)
 
-    async def train_step(self, batch: Sequence[Trajectory], objective: LossObjective) -> tuple[dict[str, float], int]:
-        metrics = await self.engine.train_step(batch, objective)
+    async def train_step(
+        self, batch: Sequence[Trajectory], objective: LossObjective, mini_batches: Sequence[Sequence[int]] | None
+    ) -> tuple[dict[str, float], int]:
+        metrics = await self.engine.train_step(batch, objective, mini_batches)
         return metrics, self.engine.version
 
     async def logprobs(self, trajectories: Sequence[Trajectory]) -> list[list[float]]:

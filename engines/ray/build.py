@@ -212,8 +212,12 @@ class RayTrainEngine:
     async def logprobs(self, trajectories: Sequence[Trajectory]) -> list[list[float]]:
         return await self.actor.call(self.actor.handle.logprobs.remote(list(trajectories)))
 
-    async def train_step(self, batch: Sequence[Trajectory], objective: LossObjective) -> dict[str, float]:
-        metrics, self._version = await self.actor.call(self.actor.handle.train_step.remote(list(batch), objective))
+    async def train_step(
+        self, batch: Sequence[Trajectory], objective: LossObjective, mini_batches: Sequence[Sequence[int]] | None = None
+    ) -> dict[str, float]:
+        metrics, self._version = await self.actor.call(
+            self.actor.handle.train_step.remote(list(batch), objective, mini_batches)
+        )
         return metrics
 
     async def save_state(self, folder: Path) -> None:

@@ -13,10 +13,12 @@ the body starts from the pretrained weights (verl and OpenRLHF initialise their 
 the policy's checkpoint too). No dropout: the model stays in ``eval()`` mode while training, as
 the policy does.
 
-Invariants: ``version`` counts optimizer steps (plus a restored checkpoint's); weights and
-version change together on the worker thread; one ``train_step`` is one optimizer step whatever
-its micro-batches (each micro-batch loss weighted by its share of the step's trained actions or
-sequences, as ``objective.mean_over`` says).
+Invariants: ``version`` counts train steps (plus a restored checkpoint's): one per policy step
+trained on, however many optimizer steps; weights and version change together on the worker
+thread; one ``train_step`` is one optimizer step per mini-batch of its plan, the policy's
+(``engines.trainers.optimizer_steps``), whatever its micro-batches (each micro-batch loss
+weighted by its share of the optimizer step's trained actions or sequences, as
+``objective.mean_over`` says).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from tandem.core.records import Trajectory
 from tandem.engines.shared.microbatch import MicroBatch, collate, plan_micro_batches, token_payload
 from tandem.engines.shared.threads import budgeted_executor
 from tandem.engines.trainers.loss_loop import StepTotals, padded
+from tandem.engines.trainers.optimizer_steps import step_parts, take_optimizer_steps
 
 __all__ = ["CRITIC_STATE_FILE", "TorchValueEngine", "ValueModel"]
 
@@ -86,6 +89,7 @@ class TorchValueEngine:
         self._model = ValueModel(model_path, dtype).to(self._device).eval()
         self._optimizer = torch.optim.AdamW(self._model.parameters(), lr=lr, weight_decay=weight_decay)
         self._version = 0
+        self._optimizer_steps = 0
         self._executor = budgeted_executor("torch-critic", num_threads)
 
     @property
@@ -100,15 +104,18 @@ class TorchValueEngine:
     async def values(self, trajectories: Sequence[Trajectory]) -> list[list[float]]:
         return await self._on_worker(self._values, list(trajectories))
 
-    async def train_step(self, batch: Sequence[Trajectory], objective: LossObjective) -> dict[str, float]:
-        """One optimizer step on ``batch``: each trajectory's ``values`` (those its ``returns``
-        were computed with) and ``returns`` go to ``objective`` as :class:`ValueInputs`."""
+    async def train_step(
+        self, batch: Sequence[Trajectory], objective: LossObjective, mini_batches: Sequence[Sequence[int]] | None = None
+    ) -> dict[str, float]:
+        """One version trained on ``batch``, an optimizer step per entry of ``mini_batches`` (or one):
+        each trajectory's ``values`` (those its ``returns`` were computed with) and ``returns`` go
+        to ``objective`` as :class:`ValueInputs`."""
         if objective.mean_over not in ("tokens", "sequences"):
             raise ValueError(f"objective.mean_over must be 'tokens' or 'sequences', got {objective.mean_over!r}")
-        return await self._on_worker(self._train_step, list(batch), objective)
+        return await self._on_worker(self._train_step, list(batch), objective, mini_batches)
 
     async def save_state(self, folder: Path) -> None:
-        """Write ``critic.pt`` (weights, optimizer, version) into ``folder``, after queued work."""
+        """Write ``critic.pt`` (weights, optimizer, version, optimizer steps) into ``folder``, after queued work."""
         await self._on_worker(self._save, Path(folder) / CRITIC_STATE_FILE)
 
     async def load_state(self, folder: Path) -> None:
@@ -137,42 +144,53 @@ class TorchValueEngine:
                     out[i] = values[row, : trajectories[i].num_actions].tolist()
         return out
 
-    def _train_step(self, samples: list[Trajectory], objective: LossObjective) -> dict[str, float]:
+    def _train_step(
+        self, samples: list[Trajectory], objective: LossObjective, mini_batches: Sequence[Sequence[int]] | None
+    ) -> dict[str, float]:
         for s in samples:
             for name in ("values", "returns"):
                 values = getattr(s, name)
                 if values is None or len(values) != s.num_actions:
                     raise ValueError(f"trajectory {s.prompt_id}/{s.index}: {name} missing or not one per action")
-        trained = [i for i, s in enumerate(samples) if s.num_trained > 0]
-        totals = StepTotals(objective.mean_over, sum(samples[i].num_trained for i in trained), len(trained))  # type: ignore[arg-type]
-        if totals.tokens == 0:
-            raise ValueError("critic train_step on trajectories without trained actions")
-        self._optimizer.zero_grad(set_to_none=True)
-        sums: dict[str, float] = {}
-        for batch in self._micro_batches(samples, trained):
-            rows = [samples[i] for i in batch.indices]
-            mask = batch.loss_mask
-            inputs = ValueInputs(
-                values=self._model(batch),
-                old_values=padded([s.values for s in rows], mask),
-                returns=padded([s.returns for s in rows], mask),
-                mask=mask,
-            )
-            loss, metrics = objective(inputs)
-            weight = totals.weight(batch)
-            (loss * weight).backward()
-            accumulate_metrics(sums, metrics, weight)
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self._model.parameters(), self._max_grad_norm))
-        if not math.isfinite(grad_norm):
+
+        def optimizer_step(part: list[int], progress: float) -> dict[str, float]:
+            trained = [samples[i] for i in part]
+            totals = StepTotals(objective.mean_over, sum(s.num_trained for s in trained), len(trained))  # type: ignore[arg-type]
             self._optimizer.zero_grad(set_to_none=True)
-            raise FloatingPointError(f"critic: non-finite gradient norm {grad_norm} at version {self._version}")
-        self._optimizer.step()
-        self._optimizer.zero_grad(set_to_none=True)
+            sums: dict[str, float] = {}
+            for batch in self._micro_batches(samples, part):
+                rows = [samples[i] for i in batch.indices]
+                mask = batch.loss_mask
+                inputs = ValueInputs(
+                    values=self._model(batch),
+                    old_values=padded([s.values for s in rows], mask),
+                    returns=padded([s.returns for s in rows], mask),
+                    mask=mask,
+                )
+                loss, metrics = objective(inputs)
+                weight = totals.weight(batch)
+                (loss * weight).backward()
+                accumulate_metrics(sums, metrics, weight)
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self._model.parameters(), self._max_grad_norm))
+            if not math.isfinite(grad_norm):
+                self._optimizer.zero_grad(set_to_none=True)
+                raise FloatingPointError(f"critic: non-finite gradient norm {grad_norm} at version {self._version}")
+            self._optimizer.step()
+            self._optimizer.zero_grad(set_to_none=True)
+            self._optimizer_steps += 1
+            return {**sums, "grad_norm": grad_norm}
+
+        metrics = take_optimizer_steps(step_parts(samples, mini_batches), optimizer_step, version=self._version)
         self._version += 1
-        return {**sums, "grad_norm": grad_norm}
+        return {**metrics, "optimizer_steps_total": float(self._optimizer_steps)}
 
     def _save(self, path: Path) -> None:
-        state = {"model": self._model.state_dict(), "optimizer": self._optimizer.state_dict(), "version": self._version}
+        state = {
+            "model": self._model.state_dict(),
+            "optimizer": self._optimizer.state_dict(),
+            "version": self._version,
+            "optimizer_steps": self._optimizer_steps,
+        }
         torch.save(state, path)
 
     def _load(self, path: Path) -> None:
@@ -180,3 +198,5 @@ class TorchValueEngine:
         self._model.load_state_dict(state["model"])
         self._optimizer.load_state_dict(state["optimizer"])
         self._version = state["version"]
+        # A checkpoint from before mini-batches took one optimizer step per version.
+        self._optimizer_steps = state.get("optimizer_steps", state["version"])

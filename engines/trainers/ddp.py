@@ -56,6 +56,10 @@ class DDPRank:
         broadcast_parameters(self._model, self._group)
         self._optimizer, self._scheduler = rank_optimizer(spec, self._model)
 
+    @property
+    def optimizer_steps(self) -> int:
+        return self._scheduler.last_epoch  # one schedule step per optimizer step, checkpointed with it
+
     def _forward(self, batch: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
         return response_logprobs(self._model, batch, self._spec.temperature)
 
@@ -64,11 +68,12 @@ class DDPRank:
         return score(samples, self._forward, max_tokens=self._spec.max_tokens_per_micro_batch, device=self._device)
 
     def accumulate(
-        self, samples: list[Trajectory], objective: LossObjective, totals: StepTotals, passes: int
+        self, samples: list[Trajectory], objective: LossObjective, totals: StepTotals, passes: int, progress: float
     ) -> tuple[dict[str, float], int]:
         return accumulate(
             samples, self._forward, objective, totals,
             max_tokens=self._spec.max_tokens_per_micro_batch, device=self._device, version=self.version,
+            progress=progress,
         )  # fmt: skip
 
     def step(self) -> float:
@@ -79,7 +84,6 @@ class DDPRank:
             raise FloatingPointError(f"non-finite gradient norm {grad_norm} at version {self.version}")
         self._optimizer.step()
         self._scheduler.step()
-        self.version += 1
         self.drop_gradients()
         return grad_norm
 

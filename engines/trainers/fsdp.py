@@ -83,6 +83,10 @@ class FSDPRank:
         shard_model(self._model, init_device_mesh(device.type, (world_size,)))
         self._optimizer, self._scheduler = rank_optimizer(spec, self._model)
 
+    @property
+    def optimizer_steps(self) -> int:
+        return self._scheduler.last_epoch  # one schedule step per optimizer step, checkpointed with it
+
     def _forward(self, batch: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
         return response_logprobs(self._model, batch, self._spec.temperature)
 
@@ -96,11 +100,12 @@ class FSDPRank:
         return scored
 
     def accumulate(
-        self, samples: list[Trajectory], objective: LossObjective, totals: StepTotals, passes: int
+        self, samples: list[Trajectory], objective: LossObjective, totals: StepTotals, passes: int, progress: float
     ) -> tuple[dict[str, float], int]:
         return accumulate(
             samples, self._forward, objective, totals,
-            max_tokens=self._spec.max_tokens_per_micro_batch, device=self._device, version=self.version, passes=passes,
+            max_tokens=self._spec.max_tokens_per_micro_batch, device=self._device, version=self.version,
+            progress=progress, passes=passes,
         )  # fmt: skip
 
     def step(self) -> float:
@@ -112,7 +117,6 @@ class FSDPRank:
             raise FloatingPointError(f"non-finite gradient norm {grad_norm} at version {self.version}")
         self._optimizer.step()
         self._scheduler.step()
-        self.version += 1
         self.drop_gradients()
         return grad_norm
 

@@ -10,18 +10,20 @@ MegatronRank``). The driver holds no weights and joins no process group: every r
 process of its own, with ``torch.distributed``'s default group over the ranks (gloo on CPU,
 NCCL on GPU).
 
-A step, as the driver runs it:
-1. the trained trajectories are split across the data-parallel replicas balanced by tokens
-   (:func:`balance`); the tensor-parallel ranks of one replica get the same share;
+A train step takes one optimizer step per mini-batch of its plan (``engines.trainers.
+optimizer_steps``); an optimizer step, as the driver runs it:
+1. the mini-batch's trained trajectories are split across the data-parallel replicas balanced
+   by tokens (:func:`balance`); the tensor-parallel ranks of one replica get the same share;
    every rank is told ``passes``, the most micro-batches any rank has, so an engine whose
    forward is a collective (FSDP2 all-gathers weights in it) runs equally many on every rank;
 2. every rank accumulates its share's gradient, each micro-batch loss weighted by its share of
-   the whole step's trained tokens or sequences (``StepTotals``), so the sum over ranks is the
-   one-process gradient; it replies with its weighted metric sums;
+   the whole mini-batch's trained tokens or sequences (``StepTotals``), so the sum over ranks is
+   the one-process gradient; it replies with its weighted metric sums;
 3. only when every rank has replied does the driver send :class:`Step`: ``proceed`` when all
    succeeded (every rank reduces the gradients, clips by the same global norm and steps), else
    every rank drops its gradient and the step raises, naming the rank that failed;
 4. every rank replies its gradient norm; they must be equal.
+After the train step's last optimizer step, :class:`Publish` moves every rank's version on by one.
 
 Weights for param sync: :class:`Gather` makes every rank take part in gathering full Hugging
 Face-named tensors (FSDP2 unshards, megatron all-gathers its tensor-parallel shards); global
@@ -30,9 +32,11 @@ put the staging in shared memory, so the driver's ``weights_for_sync`` reads it 
 on Ray, rank 0's actor sends the staging to the rollout actors itself.
 
 Invariants:
-- one version for the group: it moves by one per step, only after every rank stepped;
+- one version for the group: it moves by one per train step, only after every rank took the
+  step's last optimizer step;
 - no rank enters a collective unless every rank will: gradient reduction starts after all
-  ranks reported, and a failure before it leaves the group usable;
+  ranks reported, and a failure before it, at a train step's first optimizer step, leaves the
+  group usable (a failure after it leaves the weights between versions: the group is broken);
 - a rank that dies fails the call in progress with ``TrainRankError`` naming it (a death is
   blamed before the collective errors it causes on other ranks), and the group is broken from
   then on: the dead rank's shard of the optimizer state is gone, so a run goes on only from a
@@ -72,6 +76,7 @@ from tandem.core.records import Trajectory
 from tandem.engines.shared.microbatch import token_payload
 from tandem.engines.shared.threads import ClosesOnAThread, apply_thread_budget
 from tandem.engines.trainers.loss_loop import StepTotals, check_trainable, micro_batch_plan
+from tandem.engines.trainers.optimizer_steps import step_parts, take_optimizer_steps
 
 __all__ = [
     "RANK_ENGINES",
@@ -166,7 +171,7 @@ class RankSpec:
         return getattr(torch, self.dtype)
 
     def lr_factor(self, step: int) -> float:
-        """Linear warm-up to the full LR, as ``TorchTrainEngine``'s schedule."""
+        """Linear warm-up to the full LR over optimizer steps, as ``TorchTrainEngine``'s schedule."""
         return 1.0 if self.warmup_steps == 0 else min(1.0, (step + 1) / self.warmup_steps)
 
 
@@ -195,23 +200,30 @@ class RankEngine(Protocol):
     """One rank's model, optimizer and collectives; every method that is a collective must be
     called on every rank of the group, in the same order."""
 
-    version: int
+    version: int  # train steps taken: the rank server moves it on once a train step's optimizer steps are taken
     state_file: str  # the file its checkpoints write into a checkpoint folder
+
+    @property
+    def optimizer_steps(self) -> int:
+        """Optimizer steps taken (checkpointed): the LR schedule's position."""
+        ...
 
     def score(self, samples: list[Trajectory], passes: int) -> tuple[list[list[float]], list[list[float]]]:
         """Log-probs and entropies of ``samples``' response tokens (``passes``: as ``accumulate``)."""
         ...
 
     def accumulate(
-        self, samples: list[Trajectory], objective: LossObjective, totals: StepTotals, passes: int
+        self, samples: list[Trajectory], objective: LossObjective, totals: StepTotals, passes: int, progress: float
     ) -> tuple[dict[str, float], int]:
         """Add the weighted gradient of ``samples``; returns metric sums and micro-batches. ``passes``
-        is the most micro-batches any rank runs (engines in lockstep pad to it)."""
+        is the most micro-batches any rank runs (engines in lockstep pad to it); ``progress`` the
+        share of the train step's optimizer steps taken (``loss_loop.loss_inputs``)."""
         ...
 
     def step(self) -> float:
-        """Reduce gradients over the group, clip, take the optimizer step, zero; returns the pre-clip
-        norm. A non-finite norm drops the gradient and raises ``FloatingPointError`` (on every rank)."""
+        """Reduce gradients over the group, clip, take the optimizer step (and the LR schedule's),
+        zero; returns the pre-clip norm. A non-finite norm drops the gradient and raises
+        ``FloatingPointError`` (on every rank). The version is not the engine's to move."""
         ...
 
     def drop_gradients(self) -> None: ...
@@ -258,8 +270,9 @@ class Score:
 class Accumulate:
     samples: list[Trajectory]
     passes: int
-    objective: bytes  # pickled once per step for every rank
+    objective: bytes  # pickled once per train step for every rank
     totals: StepTotals
+    progress: float  # the share of the train step's optimizer steps taken before this one
 
 
 @dataclass(slots=True)
@@ -267,6 +280,11 @@ class Step:
     """``proceed``: reduce and step; otherwise a rank failed: drop this step's gradient."""
 
     proceed: bool
+
+
+@dataclass(slots=True)
+class Publish:
+    """The train step's optimizer steps are all taken: the version moves on by one."""
 
 
 @dataclass(slots=True)
@@ -314,10 +332,11 @@ class Accumulated:
 
 @dataclass(slots=True)
 class Stepped:
-    """The pre-clip global gradient norm (NaN/inf: every rank dropped the step) and the version after."""
+    """The pre-clip global gradient norm (NaN/inf: every rank dropped the step) and the optimizer
+    steps taken after it."""
 
     grad_norm: float
-    version: int
+    optimizer_steps: int
 
 
 @dataclass(slots=True)
@@ -419,16 +438,21 @@ class RankServer:
         if isinstance(message, Accumulate):
             engine.drop_gradients()
             objective = pickle.loads(message.objective)
-            return Accumulated(*engine.accumulate(message.samples, objective, message.totals, message.passes))
+            return Accumulated(
+                *engine.accumulate(message.samples, objective, message.totals, message.passes, message.progress)
+            )
         if isinstance(message, Step):
             if not message.proceed:
                 engine.drop_gradients()
-                return Stepped(math.nan, engine.version)
+                return Stepped(math.nan, engine.optimizer_steps)
             try:
                 norm = engine.step()
             except FloatingPointError:  # every rank sees the same norm; the driver raises it
                 norm = math.nan
-            return Stepped(norm, engine.version)
+            return Stepped(norm, engine.optimizer_steps)
+        if isinstance(message, Publish):
+            engine.version += 1
+            return Done(engine.version)
         if isinstance(message, Gather):
             return self._gather()
         if isinstance(message, Save):
@@ -717,12 +741,15 @@ class TrainerGroup(ClosesOnAThread):
         """Per-token log-probs and entropies of each trajectory's response tokens, scored by the ranks' shares."""
         return await self._on_worker(self._score, list(trajectories))
 
-    async def train_step(self, batch: Sequence[Trajectory], objective: LossObjective) -> dict[str, float]:
-        """One optimizer step of the group on every trajectory of ``batch`` (the contract of
-        ``TorchTrainEngine.train_step``); a rank that fails or dies raises ``TrainRankError`` naming it."""
+    async def train_step(
+        self, batch: Sequence[Trajectory], objective: LossObjective, mini_batches: Sequence[Sequence[int]] | None = None
+    ) -> dict[str, float]:
+        """One version of the group trained on ``batch``, an optimizer step per mini-batch (the
+        contract of ``TorchTrainEngine.train_step``); a rank that fails or dies raises
+        ``TrainRankError`` naming it."""
         if objective.mean_over not in ("tokens", "sequences"):
             raise ValueError(f"objective.mean_over must be 'tokens' or 'sequences', got {objective.mean_over!r}")
-        return await self._on_worker(self._train_step, list(batch), objective)
+        return await self._on_worker(self._train_step, list(batch), objective, mini_batches)
 
     async def save_state(self, folder: Path) -> None:
         """Write the engine's state file into ``folder`` (full tensors: loadable by any number of ranks)."""
@@ -849,55 +876,75 @@ class TrainerGroup(ClosesOnAThread):
                 logprobs[i], entropies[i] = reply.logprobs[j], reply.entropies[j]
         return logprobs, entropies
 
-    def _train_step(self, samples: list[Trajectory], objective: LossObjective) -> dict[str, float]:
+    def _train_step(
+        self, samples: list[Trajectory], objective: LossObjective, mini_batches: Sequence[Sequence[int]] | None
+    ) -> dict[str, float]:
         check_trainable(samples)
-        trained = [i for i, s in enumerate(samples) if s.num_trained > 0]
-        totals = StepTotals.of([samples[i] for i in trained], objective.mean_over)
-        if totals.tokens == 0:
-            raise ValueError("train_step on trajectories without trained tokens")
+        parts = step_parts(samples, mini_batches)
         try:
             pickled = pickle.dumps(objective)
         except Exception as exc:
             raise TypeError(f"the objective must be picklable to reach the train ranks: {exc}") from exc
-        lr = self._spec.lr * self._spec.lr_factor(self._version)
-        shares, passes = self._shares(samples, trained)
-        messages = [Accumulate([samples[i] for i in share], passes, pickled, totals) for share in shares]
-        replies = self._exchange(self._per_rank(messages))
+        micro_batches = 0
+        optimizer_steps = 0
+
+        def optimizer_step(part: list[int], progress: float) -> dict[str, float]:
+            nonlocal micro_batches, optimizer_steps
+            trained = [samples[i] for i in part]
+            totals = StepTotals.of(trained, objective.mean_over)
+            shares, passes = self._shares(samples, part)
+            messages = [Accumulate([samples[i] for i in share], passes, pickled, totals, progress) for share in shares]
+            sums, count = self._accumulate(self._per_rank(messages), first=progress == 0)
+            grad_norm, optimizer_steps = self._step()
+            micro_batches += count
+            # The schedule's factor at the step just taken (the ranks count their steps, checkpointed).
+            return {**sums, "grad_norm": grad_norm, "lr": self._spec.lr * self._spec.lr_factor(optimizer_steps - 1)}
+
+        metrics = take_optimizer_steps(parts, optimizer_step, version=self._version)
+        self._all(Publish, "publish the version")
+        return {
+            **metrics,
+            "tokens": float(sum(s.num_trained for s in samples)),
+            "samples": float(len(samples)),
+            "micro_batches": float(micro_batches),
+            "optimizer_steps_total": float(optimizer_steps),
+        }
+
+    def _accumulate(self, messages: list[Accumulate], *, first: bool) -> tuple[dict[str, float], int]:
+        """Every rank accumulates its share; returns the replicas' merged metric sums and micro-batches.
+        A failure drops every rank's gradient and raises naming the rank; past the train step's
+        first optimizer step the weights have moved, and the group is lost."""
+        replies = self._exchange(messages)
         failed = [(rank, reply) for rank, reply in enumerate(replies) if isinstance(reply, Failed)]
         if failed:
             self._exchange([Step(proceed=False)] * self.size)
             rank, reply = failed[0]
-            raise TrainRankError(rank, f"failed:\n{reply.traceback}")  # type: ignore[union-attr]
+            detail = f"failed:\n{reply.traceback}"  # type: ignore[union-attr]
+            raise TrainRankError(rank, detail) if first else self._lost(rank, detail)
         # Tensor-parallel ranks of a replica computed the same share: count each replica once.
         replicas = replies[:: self._spec.tensor_parallel_size]
         assert all(isinstance(reply, Accumulated) for reply in replicas)
         micro_batches = sum(reply.micro_batches for reply in replicas)  # type: ignore[union-attr]
-        sums = merge_metric_sums([reply.sums for reply in replicas])  # type: ignore[union-attr]
+        return merge_metric_sums([reply.sums for reply in replicas]), micro_batches  # type: ignore[union-attr]
 
+    def _step(self) -> tuple[float, int]:
+        """Every rank reduces, clips and steps; returns the (common) pre-clip norm and the optimizer steps taken."""
         stepped = self._exchange([Step(proceed=True)] * self.size)
         for rank, reply in enumerate(stepped):
             if isinstance(reply, Failed):
                 raise self._lost(rank, f"failed its optimizer step:\n{reply.traceback}")
         norms = [reply.grad_norm for reply in stepped]  # type: ignore[attr-defined]
-        versions = {reply.version for reply in stepped}  # type: ignore[attr-defined]
+        counts = {reply.optimizer_steps for reply in stepped}  # type: ignore[attr-defined]
         grad_norm = norms[0]
         if not math.isfinite(grad_norm):
             if any(math.isfinite(n) for n in norms):
                 raise self._lost(norms.index(next(n for n in norms if math.isfinite(n))), f"diverged: gradient norms {norms}")
             raise FloatingPointError(f"non-finite gradient norm {grad_norm} at version {self._version}")
         # The norm is all-reduced: every rank holds the same bits, or the ranks have diverged.
-        if any(n != grad_norm for n in norms) or len(versions) != 1:
+        if any(n != grad_norm for n in norms) or len(counts) != 1:
             rank = next((r for r, n in enumerate(norms) if n != grad_norm), 0)
-            raise self._lost(rank, f"diverged: gradient norms {norms}, versions {sorted(versions)}")
-        self._version = versions.pop()
-        return {
-            **sums,
-            "grad_norm": grad_norm,
-            "lr": lr,
-            "tokens": float(totals.tokens),
-            "samples": float(len(samples)),
-            "micro_batches": float(micro_batches),
-        }
+            raise self._lost(rank, f"diverged: gradient norms {norms}, optimizer steps {sorted(counts)}")
+        return grad_norm, counts.pop()
 
     def _gather(self) -> int:
         replies = self._exchange([Gather() for _ in range(self.size)])

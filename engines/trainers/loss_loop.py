@@ -1,9 +1,10 @@
 """The one micro-batch loss loop every token trainer runs: plain torch (and its DDP ranks), FSDP2
 and megatron-core ranks.
 
-A train step's gradient is the sum over micro-batches of each micro-batch's loss weighted by its
-share of the whole step's trained tokens or sequences (:class:`StepTotals`), so however the step
-is cut (into micro-batches, across ranks) the gradient is the one-batch gradient. Each trainer
+An optimizer step's gradient is the sum over micro-batches of each micro-batch's loss weighted by
+its share of the whole optimizer step's trained tokens or sequences (:class:`StepTotals`), so
+however the step is cut (into micro-batches, across ranks) the gradient is the one-batch gradient.
+(A train step takes one optimizer step per mini-batch of its plan: ``engines.trainers.optimizer_steps``.) Each trainer
 supplies only its ``forward`` (per-token log-probs and entropies of a micro-batch at its current
 weights) and the version those weights are; what the objective sees of a micro-batch
 (:func:`loss_inputs`: behaviour, proximal and reference log-probs, per-sequence or per-token
@@ -12,7 +13,8 @@ advantages for GAE today) works for every trainer.
 
 Invariants:
 - a step's trajectories agree on which optional fields they carry (:func:`check_trainable`);
-- the weights of a step's micro-batch losses sum to one over the whole step (every rank);
+- the weights of an optimizer step's micro-batch losses sum to one over the whole optimizer step
+  (every rank);
 - with ``passes`` set, exactly that many forwards and backwards run whatever happens (a rank in
   lockstep with others must join every collective): filler passes and the passes after an
   objective raised backward a zero, and the error is raised at the end.
@@ -51,9 +53,9 @@ _FILLER = token_trajectory(-1, 0, [0], [0], [0.0], [0], FinishReason.LENGTH)
 
 @dataclass(frozen=True, slots=True)
 class StepTotals:
-    """The whole step's trained tokens and sequences (over every rank): the denominators of the
-    micro-batch loss weights, so the weighted sum of micro-batch losses is the step's mean. A
-    sequence counts when it has at least one trained token."""
+    """The whole optimizer step's trained tokens and sequences (over every rank): the denominators
+    of the micro-batch loss weights, so the weighted sum of micro-batch losses is the optimizer
+    step's mean. A sequence counts when it has at least one trained token."""
 
     mean_over: LossMeanOver
     tokens: int
@@ -140,10 +142,18 @@ def score(
 
 
 def loss_inputs(
-    samples: Sequence[Trajectory], batch: MicroBatch, token_logp: torch.Tensor, entropy: torch.Tensor, version: int
+    samples: Sequence[Trajectory],
+    batch: MicroBatch,
+    token_logp: torch.Tensor,
+    entropy: torch.Tensor,
+    version: int,
+    progress: float = 0.0,
 ) -> LossInputs:
-    """The objective's view of one micro-batch; ``version`` is that of the weights ``token_logp``
-    came from (tokens sampled at it are *fresh*: the mismatch metrics compare only those)."""
+    """The objective's view of one micro-batch; ``version`` is the train step's (pi_prox's) and
+    ``progress`` the share of its optimizer steps taken before this one, so the weights
+    ``token_logp`` came from stand at ``version + progress``. Only at the first optimizer step are
+    they a version's: tokens sampled at it are then *fresh* (the mismatch metrics compare only
+    those); later, none is."""
     rows = [samples[i] for i in batch.indices]
     trained = batch.loss_mask
     if rows[0].token_advantages is not None:  # per action (GAE), else one per trajectory
@@ -158,7 +168,10 @@ def loss_inputs(
         prox_logprobs=padded([s.prox_logprobs for s in rows], trained) if rows[0].prox_logprobs is not None else None,
         ref_logprobs=padded([s.ref_logprobs for s in rows], trained) if rows[0].ref_logprobs is not None else None,
         entropy=entropy,
-        fresh=(batch.versions == version).to(trained.dtype) * trained,
+        fresh=(batch.versions == version).to(trained.dtype) * trained if progress == 0 else None,
+        versions=batch.versions,
+        prox_version=version,
+        current_version=version + progress,
     )
 
 
@@ -171,12 +184,14 @@ def accumulate(
     max_tokens: int,
     device: torch.device,
     version: int,
+    progress: float = 0.0,
     passes: int = 0,
 ) -> tuple[dict[str, float], int]:
-    """Backward each micro-batch's loss weighted by its share of the step (``totals``), adding to
-    the gradients (not zeroed here); returns the weighted metric sums and the number of real
-    micro-batches. Filler passes (``passes``) backward a zero: they add nothing but take part in
-    the collectives of a lockstep engine.
+    """Backward each micro-batch's loss weighted by its share of the optimizer step (``totals``),
+    adding to the gradients (not zeroed here); returns the weighted metric sums and the number of
+    real micro-batches. ``version`` and ``progress`` say where the weights stand
+    (:func:`loss_inputs`). Filler passes (``passes``) backward a zero: they add nothing but take
+    part in the collectives of a lockstep engine.
 
     An objective that raises does not cut the passes short (the other ranks would wait in a
     collective for this one): its pass and the rest backward zeros, then the error is raised.
@@ -190,7 +205,7 @@ def accumulate(
             (token_logp.sum() * 0.0).backward()
             continue
         try:
-            loss, metrics = objective(loss_inputs(samples, batch, token_logp, entropy, version))
+            loss, metrics = objective(loss_inputs(samples, batch, token_logp, entropy, version, progress))
         except Exception as exc:
             failure = exc
             (token_logp.sum() * 0.0).backward()

@@ -10,18 +10,21 @@ Invariants:
   aligned with the trajectory's ``TokenPayload.response_ids``; the rollout engine samples at
   the same temperature and returns the same quantity, so on equal weights the two agree to
   float rounding;
-- ``TorchTrainEngine.version`` counts optimizer steps (plus the ``start_version`` it resumed at);
-- one ``train_step`` is one optimizer step over all its trajectories, whatever the number of
-  micro-batches: each micro-batch loss (a mean over its trained tokens or its sequences, as
-  the objective's ``mean_over`` says) is weighted by the micro-batch's share of the step's
-  trained tokens or sequences, so the accumulated gradient equals that of the same mean over
-  the whole step; tokens a trajectory's ``loss_mask`` leaves out (an episode's environment
-  tokens) carry no gradient;
+- ``TorchTrainEngine.version`` counts train steps (plus the ``start_version`` it resumed at);
+- one ``train_step`` is one optimizer step per mini-batch of its plan
+  (``engines.trainers.optimizer_steps``; one over all its trajectories without a plan), whatever
+  the number of micro-batches: each micro-batch loss (a mean over its trained tokens or its
+  sequences, as the objective's ``mean_over`` says) is weighted by the micro-batch's share of
+  the optimizer step's trained tokens or sequences, so the accumulated gradient equals that of
+  the same mean over the whole mini-batch; tokens a trajectory's ``loss_mask`` leaves out (an
+  episode's environment tokens) carry no gradient; each optimizer step is clipped on its own
+  and moves the LR schedule once;
 - the model stays in ``eval()`` mode while training: dropout would make the recomputed
   log-probs disagree with the ones the losses compare them to;
 - the weights and ``version`` change together, only under ``TorchTrainEngine``'s weights lock
-  (the optimizer step, a checkpoint restore), so a reader holding that lock
-  (``weights_for_sync``) sees one whole version and knows which.
+  (held from a train step's first optimizer step until its version is published, and by a
+  checkpoint restore), so a reader holding that lock (``weights_for_sync``) sees one whole
+  version and knows which, never the weights between two optimizer steps of one train step.
 
 One process, one rank: data parallelism over several ranks is a trainer group of
 ``engines.trainers.ddp`` ranks (``engines.trainers.group``), which runs the same loss loop
@@ -32,7 +35,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import math
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -48,6 +50,7 @@ from tandem.core.records import Trajectory
 from tandem.engines.shared.microbatch import MicroBatch, response_logprobs
 from tandem.engines.shared.threads import ClosesOnAThread, budgeted_executor
 from tandem.engines.trainers.loss_loop import StepTotals, accumulate, check_trainable, score
+from tandem.engines.trainers.optimizer_steps import InProcessSteps, step_parts
 from tandem.engines.trainers.state import TRAINER_STATE_FILE, load_trainer_state, save_trainer_state
 from tandem.param_sync import unique_weights
 
@@ -194,30 +197,34 @@ class TorchTrainEngine(_TorchModelEngine):
             raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
         if max_grad_norm <= 0:
             raise ValueError(f"max_grad_norm must be > 0, got {max_grad_norm}")
-        self._max_grad_norm = max_grad_norm
-        # Held while the weights change (optimizer step, restore) and by a sync reading them
+        # Held while the weights change (optimizer steps, restore) and by a sync reading them
         # from another thread (``weights_for_sync``): that reader never sees a torn step.
         self._weights_lock = threading.Lock()
         self._optimizer = torch.optim.AdamW(self._model.parameters(), lr=lr, weight_decay=weight_decay)
         self._scheduler = torch.optim.lr_scheduler.LambdaLR(
             self._optimizer, lambda step: 1.0 if warmup_steps == 0 else min(1.0, (step + 1) / warmup_steps)
         )
+        self._steps = InProcessSteps(self._model, self._optimizer, self._scheduler, max_grad_norm)
 
-    async def train_step(self, batch: Sequence[Trajectory], objective: LossObjective) -> dict[str, float]:
-        """One optimizer step on every trajectory of ``batch``; returns its metrics.
+    async def train_step(
+        self, batch: Sequence[Trajectory], objective: LossObjective, mini_batches: Sequence[Sequence[int]] | None = None
+    ) -> dict[str, float]:
+        """One version trained on ``batch``: an optimizer step per entry of ``mini_batches``
+        (indices into ``batch``, in order), or one on every trajectory; returns its metrics.
 
         ``objective`` gets one :class:`LossInputs` per micro-batch (its ``mask`` is the trained
         tokens) and returns a loss that is a mean over that micro-batch's trained tokens or
         (``objective.mean_over == "sequences"``) its sequences with trained tokens, plus float
-        metrics, averaged here with the same weights. Trajectories without trained tokens are
-        left out. Every trajectory must carry its ``advantage``, or per-action
-        ``token_advantages`` (GAE), which then take its place; ``prox_logprobs``, ``ref_logprobs``
-        and ``token_advantages`` are used when every trajectory has them, and refused when only some do.
+        metrics, averaged here with the same weights, then over the optimizer steps. Trajectories
+        without trained tokens are left out. Every trajectory must carry its ``advantage``, or
+        per-action ``token_advantages`` (GAE), which then take its place; ``prox_logprobs``,
+        ``ref_logprobs`` and ``token_advantages`` are used when every trajectory has them, and
+        refused when only some do.
         """
         mean_over = objective.mean_over
         if mean_over not in ("tokens", "sequences"):
             raise ValueError(f"objective.mean_over must be 'tokens' or 'sequences', got {mean_over!r}")
-        return await self._on_worker(self._train_step, list(batch), objective, mean_over)
+        return await self._on_worker(self._train_step, list(batch), objective, mean_over, mini_batches)
 
     def named_tensors_for_sync(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, full tensor) per weight, tied storage once (``param_sync.unique_weights``).
@@ -288,47 +295,27 @@ class TorchTrainEngine(_TorchModelEngine):
             self._version = state["version"]
 
     def _train_step(
-        self, samples: list[Trajectory], loss_fn: LossObjective, loss_mean_over: LossMeanOver
+        self,
+        samples: list[Trajectory],
+        loss_fn: LossObjective,
+        loss_mean_over: LossMeanOver,
+        mini_batches: Sequence[Sequence[int]] | None,
     ) -> dict[str, float]:
         check_trainable(samples)
-        trained = [s for s in samples if s.num_trained > 0]
-        totals = StepTotals.of(trained, loss_mean_over)
-        if totals.tokens == 0:
-            raise ValueError("train_step on trajectories without trained tokens")
 
-        lr = self._scheduler.get_last_lr()[0]  # the step's own: the scheduler moves on after it
-        self._optimizer.zero_grad(set_to_none=True)
-        sums, num_micro_batches = self._accumulate(trained, loss_fn, totals)
-        grad_norm = self._clip_and_step()
-        return {
-            **sums,
-            "grad_norm": grad_norm,
-            "lr": lr,
-            "tokens": float(totals.tokens),
-            "samples": float(len(samples)),
-            "micro_batches": float(num_micro_batches),
-        }
+        def accumulate_step(part: list[int], progress: float) -> tuple[dict[str, float], int]:
+            trained = [samples[i] for i in part]
+            return accumulate(
+                trained, self._forward, loss_fn, StepTotals.of(trained, loss_mean_over), max_tokens=self._max_tokens,
+                device=self._device, version=self._version, progress=progress,
+            )  # fmt: skip
 
-    def _accumulate(
-        self, samples: Sequence[Trajectory], loss_fn: LossObjective, totals: StepTotals
-    ) -> tuple[dict[str, float], int]:
-        """Add the gradients of ``samples``' weighted micro-batch losses (the one loss loop,
-        ``engines.trainers.loss_loop``; grads not zeroed here); returns the weighted metric sums
-        and the number of micro-batches."""
-        return accumulate(
-            samples, self._forward, loss_fn, totals, max_tokens=self._max_tokens, device=self._device, version=self._version
-        )
+        metrics = self._steps.train(
+            step_parts(samples, mini_batches), accumulate_step,
+            weights_lock=self._weights_lock, version=self._version, publish=self._publish,
+        )  # fmt: skip
+        return {**metrics, "tokens": float(sum(s.num_trained for s in samples)), "samples": float(len(samples))}
 
-    def _clip_and_step(self) -> float:
-        """Clip the accumulated gradient, take the optimizer step, zero the gradient; returns the
-        pre-clip norm. A non-finite norm drops the gradient and raises, stepping nothing."""
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self._model.parameters(), self._max_grad_norm))
-        if not math.isfinite(grad_norm):
-            self._optimizer.zero_grad(set_to_none=True)
-            raise FloatingPointError(f"non-finite gradient norm {grad_norm} at version {self._version}")
-        with self._weights_lock:  # the weights and their version move together
-            self._optimizer.step()
-            self._version += 1
-        self._scheduler.step()
-        self._optimizer.zero_grad(set_to_none=True)
-        return grad_norm
+    def _publish(self) -> None:
+        """The train step's optimizer steps are taken: its weights are the next version (under the weights lock)."""
+        self._version += 1

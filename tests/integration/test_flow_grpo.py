@@ -132,9 +132,11 @@ class Recording:
         self.batches: list[list[Trajectory]] = []
         inner = trainer.train_step
 
-        async def train_step(batch: Sequence[Trajectory], objective: LossObjective) -> dict[str, float]:
+        async def train_step(
+            batch: Sequence[Trajectory], objective: LossObjective, mini_batches: Sequence[Sequence[int]] | None = None
+        ) -> dict[str, float]:
             self.batches.append(list(batch))
-            return await inner(batch, objective)
+            return await inner(batch, objective, mini_batches)
 
         trainer.train_step = train_step
 

@@ -51,9 +51,11 @@ class Recording:
         self.batches: list[list[Trajectory]] = []
         inner = trainer.train_step
 
-        async def train_step(batch: Sequence[Trajectory], objective: LossObjective) -> dict[str, float]:
+        async def train_step(
+            batch: Sequence[Trajectory], objective: LossObjective, mini_batches: Sequence[Sequence[int]] | None = None
+        ) -> dict[str, float]:
             self.batches.append(list(batch))
-            return await inner(batch, objective)
+            return await inner(batch, objective, mini_batches)
 
         trainer.train_step = train_step  # type: ignore[method-assign]
 
@@ -109,6 +111,32 @@ def test_k0_flow_reproduces_the_synchronous_loop() -> None:
     # update itself.
     difference = max((flow_weights[k] - base_weights[k]).abs().max().item() for k in flow_weights)
     assert difference < 0.1 * update, (difference, update)
+
+
+def test_with_four_mini_batches_a_version_takes_four_optimizer_steps_and_the_clip_binds() -> None:
+    # The default job, two steps, each train step four optimizer steps (pi_prox log-linear: the
+    # default's `current` is refused with mini-batches). A version is still one train step: k, the
+    # staleness check and the clock count those, the optimizer-step counter counts four per version.
+    from tandem.core.config import load_config
+
+    cfg = load_config(
+        "configs/default.yaml",
+        [
+            "run.max_steps=2", "run.seed=1", "train.mini_batches=4", "algorithm.proximal=loglinear", "engines.lr=1e-3",
+            "observability.metrics_port=null", "observability.write_run_dir=false", "validation.every_versions=null",
+        ],
+    )  # fmt: skip
+    components = build_components(cfg)
+    try:
+        result = asyncio.run(AsyncTrainingFlow(cfg, components).run())
+        assert components.trainer.version == 2
+    finally:
+        components.close()
+    assert [s.step for s in result.steps] == [0, 1] and max(result.staleness_counts) <= 1
+    metrics = [s.train_metrics for s in result.steps]
+    assert [(m["optimizer_steps"], m["optimizer_steps_total"]) for m in metrics] == [(4.0, 4.0), (4.0, 8.0)]
+    # pi_theta leaves pi_prox within the step: PPO's clip binds (at M = 1 the ratio is exactly 1).
+    assert all(m["clip_fraction"] > 0 for m in metrics), [m["clip_fraction"] for m in metrics]
 
 
 def greedy_accuracy(model_path: Any, problems: list) -> float:

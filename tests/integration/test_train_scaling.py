@@ -62,12 +62,14 @@ def test_a_killed_fsdp2_rank_stops_the_run_naming_it_and_one_rank_resumes_from_i
     assert isinstance(components.trainer, TrainerGroup) and components.trainer.size == 2
     inner = components.trainer.train_step
 
-    async def train_step(batch: Sequence[Trajectory], objective: LossObjective) -> dict[str, float]:
+    async def train_step(
+        batch: Sequence[Trajectory], objective: LossObjective, mini_batches: Sequence[Sequence[int]] | None = None
+    ) -> dict[str, float]:
         if components.trainer.version == 2:  # steps 0 and 1 done and checkpointed
             rank1 = next(p for p in rank_processes(besides=others) if p.name == "tandem-train-rank1")
             rank1.kill()
             rank1.join()
-        return await inner(batch, objective)
+        return await inner(batch, objective, mini_batches)
 
     components.trainer.train_step = train_step
     try:

@@ -93,12 +93,16 @@ class MegatronRank:
         # No collective spans ranks of different replicas in a forward: no filler passes.
         return score(samples, self._forward, max_tokens=self._spec.max_tokens_per_micro_batch, device=self._device)
 
+    @property
+    def optimizer_steps(self) -> int:
+        return self._steps
+
     def accumulate(
-        self, samples: list[Trajectory], objective: LossObjective, totals: StepTotals, passes: int
+        self, samples: list[Trajectory], objective: LossObjective, totals: StepTotals, passes: int, progress: float
     ) -> tuple[dict[str, float], int]:
         return accumulate(
             samples, self._forward, objective, totals, max_tokens=self._spec.max_tokens_per_micro_batch,
-            device=self._device, version=self.version,
+            device=self._device, version=self.version, progress=progress,
         )
 
     def step(self) -> float:
@@ -107,7 +111,6 @@ class MegatronRank:
         if not math.isfinite(grad_norm):
             raise FloatingPointError(f"non-finite gradient norm {grad_norm} at version {self.version}")
         self._steps += 1
-        self.version += 1
         return grad_norm
 
     def drop_gradients(self) -> None:

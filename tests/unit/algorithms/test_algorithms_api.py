@@ -19,12 +19,17 @@ from tandem.algorithms import (
     gae,
     kl,
     losses,
+    metrics,
+    mini_batches,
     objective,
     prox,
     shaping,
 )
 
-MODULES = [tandem.algorithms, advantages, batch, corrections, distill, flow_grpo, gae, kl, losses, objective, prox, shaping]
+MODULES = [
+    tandem.algorithms, advantages, batch, corrections, distill, flow_grpo, gae, kl, losses, metrics, mini_batches, objective, prox,
+    shaping,
+]  # fmt: skip
 
 
 @pytest.mark.parametrize("module", MODULES, ids=lambda m: m.__name__)
@@ -42,7 +47,7 @@ def test_every_public_definition_is_exported(module: ModuleType) -> None:
 
 
 def test_the_package_exports_its_torch_free_modules_whole() -> None:
-    for module in (advantages, objective):
+    for module in (advantages, mini_batches, objective):
         assert set(module.__all__) <= set(tandem.algorithms.__all__), module.__name__
 
 

@@ -23,7 +23,7 @@ from tandem.algorithms.corrections import (
     behaviour_weight_metrics,
     mismatch_metrics,
 )
-from tandem.algorithms.metrics import accumulate_metrics, merge_metric_sums
+from tandem.algorithms.metrics import accumulate_metrics, combine_optimizer_steps, merge_metric_sums
 
 RATIOS = [[2.0, 100.0, 1.5, 0.25], [4.0, 1.0, 50.0, 50.0]]
 MASK = torch.tensor([[1.0, 0.0, 1.0, 1.0], [1.0, 1.0, 0.0, 0.0]])
@@ -191,3 +191,12 @@ def test_micro_batch_metrics_combine_by_kind() -> None:
     assert sums == {"loss": pytest.approx(3.5), "behaviour_ratio_max": 1.5, "rollout_gap_count": 8.0}
     merged = merge_metric_sums([{"loss": 1.0, "ratio_max": 2.0}, {"loss": 0.5, "ratio_max": 3.0}])
     assert merged == {"loss": 1.5, "ratio_max": 3.0}  # ranks' sums were weighted already
+
+
+def test_optimizer_steps_metrics_combine_by_kind_each_over_the_steps_that_report_it() -> None:
+    steps = [
+        {"loss": 2.0, "ratio_max": 1.5, "rollout_gap_count": 3.0, "rollout_gap_mean": 0.25},  # the first: fresh tokens
+        {"loss": 4.0, "ratio_max": 1.2},
+    ]
+    assert combine_optimizer_steps(steps) == {"loss": 3.0, "ratio_max": 1.5, "rollout_gap_count": 3.0, "rollout_gap_mean": 0.25}
+    assert combine_optimizer_steps(steps[:1]) == steps[0]  # one optimizer step: its metrics, unchanged

@@ -1,14 +1,18 @@
 """Where pi_prox comes from (``PolicyObjective.proximal``) and the critic's objective.
 
-``current`` is exact: with one optimizer step per train step, the trainer's recomputed proximal
+``current`` is exact at a train step's first optimizer step: the trainer's recomputed proximal
 log-probs equal the step's own forward pass, so the loss and its gradient are the recompute
-ones. ``behaviour`` is naive PPO anchored at the behaviour policy (``decoupled: false``).
+ones. ``loglinear`` is too, and at later optimizer steps, on tokens sampled at the step's own
+version (zero staleness), it is the behaviour policy: the recompute when the engines agree.
+``behaviour`` is naive PPO anchored at the behaviour policy (``decoupled: false``).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -18,22 +22,34 @@ from tandem.algorithms.gae import ValueInputs, clipped_value_loss, whiten
 from tandem.algorithms.objective import PolicyObjective, ValueObjective
 from tandem.core.config import AlgorithmConfig
 
+BEHAVIOUR = torch.tensor([[-1.2, -0.4, -2.0], [-0.9, -1.6, 0.0]])
+# Every token sampled at version 7 (-1: padding), the train step's own: zero staleness.
+FRESH = torch.tensor([[7, 7, 7], [7, 7, -1]])
 
-def inputs(logprobs: torch.Tensor, prox: torch.Tensor | None) -> LossInputs:
+
+def inputs(
+    logprobs: torch.Tensor, prox: torch.Tensor | None, current_version: float = 7.0, versions: torch.Tensor = FRESH
+) -> LossInputs:
     mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
     return LossInputs(
         logprobs=logprobs,
-        behaviour_logprobs=torch.tensor([[-1.2, -0.4, -2.0], [-0.9, -1.6, 0.0]]),
+        behaviour_logprobs=BEHAVIOUR,
         advantages=torch.tensor([[1.0], [-0.5]]) * mask,
         mask=mask,
         prox_logprobs=prox,
+        versions=versions,
+        prox_version=7,
+        current_version=current_version,
     )
 
 
-def loss_and_grad(objective: PolicyObjective, make_prox: bool) -> tuple[float, torch.Tensor]:
+def loss_and_grad(
+    objective: PolicyObjective, make_prox: bool, prox: torch.Tensor | None = None, **where: Any
+) -> tuple[float, torch.Tensor]:
     logprobs = torch.tensor([[-1.0, -0.5, -1.8], [-1.1, -1.3, 0.0]], requires_grad=True)
-    prox = logprobs.detach().clone() if make_prox else None
-    loss, _ = objective(inputs(logprobs, prox))
+    if make_prox:
+        prox = logprobs.detach().clone()
+    loss, _ = objective(inputs(logprobs, prox, **where))
     loss.backward()
     assert logprobs.grad is not None
     return float(loss.detach()), logprobs.grad
@@ -45,6 +61,35 @@ def test_the_step_s_own_forward_pass_is_the_recomputed_proximal_policy() -> None
     current = loss_and_grad(PolicyObjective(settings, "current"), make_prox=False)
     assert current[0] == pytest.approx(recompute[0])
     torch.testing.assert_close(current[1], recompute[1])
+
+
+def test_loglinear_at_a_train_step_s_first_optimizer_step_is_the_recomputed_proximal_policy() -> None:
+    # The first optimizer step's forward runs on pi_prox (current_version == prox_version):
+    # alpha = 1 for tokens of every age, so pi_prox is the step's own forward, as recomputed.
+    settings = AlgorithmConfig()
+    recompute = loss_and_grad(PolicyObjective(settings, "recompute"), make_prox=True)
+    for versions in (FRESH, torch.tensor([[4, 5, 6], [7, 3, -1]])):
+        loglinear = loss_and_grad(PolicyObjective(settings, "loglinear"), make_prox=False, versions=versions)
+        assert loglinear[0] == pytest.approx(recompute[0])
+        torch.testing.assert_close(loglinear[1], recompute[1])
+
+
+def test_loglinear_at_zero_staleness_is_the_recompute_of_engines_that_agree() -> None:
+    # A later optimizer step (the weights at 7.5, half-way to version 8) on tokens sampled at
+    # version 7: alpha = 0, pi_prox = pi_behav. A recompute at version 7 by a trainer that agrees
+    # with the rollout engine returns those very log-probs: the same loss and gradient.
+    settings = AlgorithmConfig()
+    recompute = loss_and_grad(PolicyObjective(settings, "recompute"), make_prox=False, prox=BEHAVIOUR, current_version=7.5)
+    loglinear = loss_and_grad(PolicyObjective(settings, "loglinear"), make_prox=False, current_version=7.5)
+    assert loglinear[0] == pytest.approx(recompute[0])
+    torch.testing.assert_close(loglinear[1], recompute[1])
+
+
+def test_loglinear_needs_the_versions() -> None:
+    logprobs = torch.zeros(2, 3, requires_grad=True)
+    bare = replace(inputs(logprobs, None), versions=None)
+    with pytest.raises(ValueError, match="loglinear needs"):
+        PolicyObjective(AlgorithmConfig(), "loglinear")(bare)
 
 
 def test_behaviour_as_the_proximal_policy_is_naive_ppo() -> None:
@@ -61,7 +106,7 @@ def test_a_recomputed_proximal_policy_must_be_given() -> None:
 
 def test_unknown_proximal_sources_are_refused() -> None:
     with pytest.raises(ValueError, match="proximal"):
-        PolicyObjective(AlgorithmConfig(), "loglinear")  # type: ignore[arg-type]
+        PolicyObjective(AlgorithmConfig(), "linear")  # type: ignore[arg-type]
 
 
 def test_the_value_objective_is_the_clipped_value_loss_averaged_as_configured() -> None:

@@ -20,8 +20,17 @@ def test_interpolation_by_version_distance() -> None:
     torch.testing.assert_close(prox, torch.tensor([[-4 / 3, -1.5, -2.0, -4.0]]))
 
 
+def test_a_later_optimizer_step_of_the_train_step_stands_between_versions() -> None:
+    # Mini-batches: after 2 of a train step's 4 optimizer steps the weights stand at v_cur = 5.5
+    # (v_prox 5, the step's start). Tokens sampled at 3, 4, 5: alpha = 2/2.5, 1/1.5, 0
+    # -> -2 + 0.8, -2 + 2/3, -2 (a token of the step's own version keeps its behaviour log-prob).
+    versions = torch.tensor([[3, 4, 5, -1]])
+    prox = loglinear_prox_logprobs(BEHAVIOUR, CURRENT, versions, MASK, prox_version=5, current_version=5.5)
+    torch.testing.assert_close(prox, torch.tensor([[-1.2, -4 / 3, -2.0, -4.0]]))
+
+
 def test_a_forward_at_the_proximal_version_is_exact() -> None:
-    # tandem's train step: the step's own forward runs at v_prox, so alpha = 1 whatever the
+    # A train step's first optimizer step: its forward runs at v_prox, so alpha = 1 whatever the
     # tokens' versions (including tokens of that very version): pi_prox = pi_theta.
     versions = torch.tensor([[3, 4, 5, 5]])
     prox = loglinear_prox_logprobs(BEHAVIOUR, CURRENT, versions, torch.ones(1, 4), prox_version=5, current_version=5)

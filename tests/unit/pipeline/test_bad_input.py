@@ -26,9 +26,11 @@ class Recording(FakeTrainEngine):
         super().__init__(lambda: 0.0, lambda: 0.0)  # type: ignore[arg-type]
         self.batches: list[list[Trajectory]] = []
 
-    async def train_step(self, batch: Sequence[Trajectory], objective: LossObjective) -> dict[str, float]:
+    async def train_step(
+        self, batch: Sequence[Trajectory], objective: LossObjective, mini_batches: Sequence[Sequence[int]] | None = None
+    ) -> dict[str, float]:
         self.batches.append(list(batch))
-        return await super().train_step(batch, objective)
+        return await super().train_step(batch, objective, mini_batches)
 
 
 def test_a_prompt_over_the_budget_is_dropped_naming_it_and_its_slot_refilled() -> None:

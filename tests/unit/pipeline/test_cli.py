@@ -119,7 +119,7 @@ def test_an_unknown_override_key_exits_2_naming_the_field(capsys: pytest.Capture
 def test_config_show_prints_the_resolved_config_with_each_fields_doc(name: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["config", "show", name, "run.max_steps=7"]) == 0
     out = capsys.readouterr().out
-    assert "  max_steps: 7  # Optimizer steps to train" in out  # the override, the default's doc
+    assert "  max_steps: 7  # Train steps (versions) to train" in out  # the override, the default's doc
     resolved = load_config(name, ["run.max_steps=7"])
     shown = validate_config(yaml.safe_load(out))  # it loads back as the same config
     assert shown == resolved

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from tandem.algorithms import plan_mini_batches
 from tandem.core.components import Components
 from tandem.core.config import TandemConfig
 from tandem.core.protocols import LossObjective
@@ -30,10 +31,14 @@ class RecordingTrainer(FakeTrainEngine):
     def __init__(self, inner: FakeTrainEngine) -> None:
         super().__init__(inner._step_latency, inner._logp_latency, inner._train_faults, inner._logp_faults)
         self.batches: list[list[Trajectory]] = []
+        self.plans: list[Sequence[Sequence[int]] | None] = []
 
-    async def train_step(self, batch: Sequence[Trajectory], objective: LossObjective) -> dict[str, float]:
-        metrics = await super().train_step(batch, objective)  # a failed step trained nothing
+    async def train_step(
+        self, batch: Sequence[Trajectory], objective: LossObjective, mini_batches: Sequence[Sequence[int]] | None = None
+    ) -> dict[str, float]:
+        metrics = await super().train_step(batch, objective, mini_batches)  # a failed step trained nothing
         self.batches.append(list(batch))
+        self.plans.append(mini_batches)
         return metrics
 
 
@@ -113,6 +118,35 @@ def test_k1_is_faster_than_sync_on_the_same_work() -> None:
     sync = run_virtual(AsyncTrainingFlow(make_config(staleness={"max_staleness": 0})).run())
     async_ = run_virtual(AsyncTrainingFlow(make_config(staleness={"max_staleness": 1})).run())
     assert async_.wall_s < sync.wall_s
+
+
+def test_mini_batches_and_epochs_are_optimizer_steps_inside_one_version(tmp_path: Path) -> None:
+    # Each step's trainer gets the seeded plan of its step: two mini-batches of whole groups, for
+    # two epochs. The version (and so k, admission, the ledger, the syncs) still counts train
+    # steps; the optimizer-step counter counts four per version, and resumes with a checkpoint.
+    sections: dict[str, Any] = {
+        "staleness": {"max_staleness": 1}, "train": {"prompts_per_step": 4, "mini_batches": 2, "epochs": 2},
+        "run": {"max_steps": 6, "seed": 0, "output_dir": str(tmp_path), "save_steps": 1},
+        "observability": {"write_run_dir": True},
+    }  # fmt: skip
+    cfg = make_config(**sections)
+    components, trainer = recording(cfg)
+    result = run_virtual(AsyncTrainingFlow(cfg, components).run())
+    assert result.final_version == cfg.run.max_steps and set(result.staleness_counts) <= {0, 1}
+    assert [s.version for s in result.syncs] == list(range(1, len(result.syncs) + 1))
+    for t, (batch, plan) in enumerate(zip(trainer.batches, trainer.plans, strict=True)):
+        groups = [s.prompt_id for s in batch]
+        assert plan == plan_mini_batches(groups, 2, 2, seed=cfg.run.seed, step=t)
+    totals = [(s.train_metrics["optimizer_steps"], s.train_metrics["optimizer_steps_total"]) for s in result.steps]
+    steps = cfg.run.max_steps
+    assert totals == [(4.0, 4.0 * (t + 1)) for t in range(steps)]
+
+    more = make_config(**{**sections, "run": {**sections["run"], "max_steps": steps + 2, "resume": True}})
+    components, trainer = recording(more)
+    resumed = run_virtual(AsyncTrainingFlow(more, components).run())
+    assert [s.train_metrics["optimizer_steps_total"] for s in resumed.steps[-2:]] == [4.0 * (steps + 1), 4.0 * (steps + 2)]
+    for t, (batch, plan) in enumerate(zip(trainer.batches, trainer.plans, strict=True), start=steps):
+        assert plan == plan_mini_batches([s.prompt_id for s in batch], 2, 2, seed=cfg.run.seed, step=t)
 
 
 def test_result_reports_steps_ledger_and_roles(config: TandemConfig) -> None:

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from tandem.algorithms import PolicyObjective
+from tandem.algorithms import PolicyObjective, plan_mini_batches
 from tandem.algorithms.batch import LossInputs
 from tandem.algorithms.flow_grpo import sde_transition, transition_kl
 from tandem.algorithms.losses import compute_policy_loss
@@ -142,6 +142,26 @@ def test_micro_batching_does_not_change_the_step(trajectories: list[Trajectory])
     finally:
         whole.close()
         split.close()
+
+
+def test_each_mini_batch_is_an_optimizer_step_of_its_own_inside_one_version(trajectories: list[Trajectory]) -> None:
+    # Flow-GRPO's reference trains several inner epochs per batch: two mini-batches of a train step
+    # are two optimizer steps, each exactly a train step of its own on its half (the same
+    # operations in the same order: equal bits on any CPU), while the version moves by one.
+    halves = plan_mini_batches([t.prompt_id for t in trajectories], 2, 1, seed=0, step=0)
+    together, apart = trainer(), trainer()
+    try:
+        metrics = asyncio.run(together.train_step(trajectories, flow_grpo(), halves))
+        for half in halves:
+            asyncio.run(apart.train_step([trajectories[i] for i in half], flow_grpo()))
+        assert (together.version, apart.version) == (1, 2)
+        assert (metrics["optimizer_steps"], metrics["optimizer_steps_total"]) == (2.0, 2.0)
+        assert metrics["tokens"] == sum(t.num_trained for t in trajectories)
+        expected = weights(apart)
+        assert all(torch.equal(tensor, expected[name]) for name, tensor in weights(together).items())
+    finally:
+        together.close()
+        apart.close()
 
 
 def test_a_small_step_raises_the_advantage_weighted_log_likelihood_of_the_trained_steps(

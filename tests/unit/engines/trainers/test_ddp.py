@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 from test_fsdp import max_weight_diff, per_token_advantages, spec
-from test_torch_train import make_batch
+from test_torch_train import make_batch, plan
 
 from tandem.algorithms import PolicyObjective
 from tandem.algorithms.objective import LossMeanOver
@@ -88,6 +88,19 @@ async def test_two_ranks_take_the_one_process_steps(
             for key in alone.keys() - {"micro_batches"}:  # the split into micro-batches differs
                 assert split[key] == pytest.approx(alone[key], rel=1e-9, abs=1e-12), key
         assert two_ranks.version == one.version == 2
+        assert max_weight_diff(one, two_ranks) < 1e-9
+
+
+async def test_two_ranks_take_the_one_process_mini_batches(model_dir: Path, two_ranks: TrainerGroup) -> None:
+    batch = make_batch(0, groups=4)
+    objective = PolicyObjective(AlgorithmConfig(decoupled=False))
+    async with TorchTrainEngine(str(model_dir), **EXACT) as one:
+        alone = await one.train_step(batch, objective, plan(batch, 2))
+        split = await two_ranks.train_step(batch, objective, plan(batch, 2))
+        assert split.keys() == alone.keys()
+        for key in alone.keys() - {"micro_batches"}:  # the split into micro-batches differs
+            assert split[key] == pytest.approx(alone[key], rel=1e-9, abs=1e-12), key
+        assert (split["optimizer_steps"], two_ranks.version, one.version) == (2.0, 1, 1)
         assert max_weight_diff(one, two_ranks) < 1e-9
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from test_torch_train import Objective, make_batch, pg, pg_loss
+from test_torch_train import Objective, make_batch, pg, pg_loss, plan
 from tiny_lm import save_tiny_model
 from transformers import AutoModelForCausalLM
 
@@ -146,6 +146,24 @@ async def test_two_ranks_take_the_one_rank_and_the_one_process_steps(
     assert one.version == two.version == single_process.version == 2
     assert max_weight_diff(one, two) < 1e-9
     assert max_weight_diff(single_process, two) < 1e-9
+
+
+async def test_two_ranks_take_the_one_process_mini_batches(
+    one_and_two: tuple[TrainerGroup, TrainerGroup], single_process: TorchTrainEngine
+) -> None:
+    # Two mini-batches of two groups each, one optimizer step each, inside one version: split
+    # over two ranks, each optimizer step is the one-process step on its concatenated mini-batch.
+    batch = make_batch(0, groups=4)
+    objective = PolicyObjective(AlgorithmConfig(decoupled=False))
+    alone = await single_process.train_step(batch, objective, plan(batch, 2))
+    for group in one_and_two:
+        metrics = await group.train_step(batch, objective, plan(batch, 2))
+        assert metrics.keys() == alone.keys()
+        for key in alone.keys() - {"micro_batches"}:  # the split into micro-batches differs
+            assert metrics[key] == pytest.approx(alone[key], rel=1e-9, abs=1e-12), key
+        assert (metrics["optimizer_steps"], metrics["optimizer_steps_total"], group.version) == (2.0, 2.0, 1)
+    assert max_weight_diff(one_and_two[0], one_and_two[1]) < 1e-9
+    assert max_weight_diff(single_process, one_and_two[1]) < 1e-9
 
 
 async def test_log_probs_are_the_one_process_ones(

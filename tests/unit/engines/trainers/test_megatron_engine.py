@@ -21,7 +21,7 @@ pytest.importorskip("megatron.core", reason="megatron-core is an optional extra:
 
 import torch
 from test_fsdp import max_weight_diff
-from test_torch_train import make_batch, pg_loss
+from test_torch_train import make_batch, pg_loss, plan
 from transformers import AutoModelForCausalLM
 
 from tandem.engines.trainers.group import RankSpec, TrainerGroup
@@ -91,6 +91,19 @@ async def test_data_and_tensor_parallel_ranks_take_the_one_rank_steps(fresh: dic
         assert max_weight_diff(one, fresh[name]) < tolerance, name
     probe = make_batch(5)
     assert max_logprob_diff(await fresh["tp2"].logprobs(probe), await one.logprobs(probe)) < 1e-4
+
+
+async def test_data_and_tensor_parallel_ranks_take_the_one_rank_mini_batches(fresh: dict[str, TrainerGroup]) -> None:
+    batch = make_batch(0, groups=4)
+    alone = await fresh["one"].train_step(batch, pg_loss, plan(batch, 2))
+    assert (alone["optimizer_steps"], fresh["one"].version) == (2.0, 1)
+    for name, rel in (("dp2", 1e-9), ("tp2", 1e-6)):
+        metrics = await fresh[name].train_step(batch, pg_loss, plan(batch, 2))
+        for key in ("loss", "pg_loss", "entropy", "grad_norm", "lr", "tokens", "optimizer_steps", "optimizer_steps_total"):
+            assert metrics[key] == pytest.approx(alone[key], rel=rel), (name, key)
+        assert fresh[name].version == 1
+    assert max_weight_diff(fresh["one"], fresh["dp2"]) < 1e-9
+    assert max_weight_diff(fresh["one"], fresh["tp2"]) < 1e-4  # as above: tensor parallel rounds each sample alike
 
 
 async def test_steps_follow_the_hf_model(model_dir: Path, fresh: dict[str, TrainerGroup]) -> None:

@@ -1,4 +1,5 @@
-"""TorchTrainEngine / TorchLogProbEngine: micro-batched scoring, one optimizer step per call, checkpoints."""
+"""TorchTrainEngine / TorchLogProbEngine: micro-batched scoring, one version per call (an optimizer
+step per mini-batch of its plan), checkpoints."""
 
 from __future__ import annotations
 
@@ -10,15 +11,25 @@ from pathlib import Path
 import pytest
 import torch
 from tiny_lm import save_tiny_model
+from transformers import AutoModelForCausalLM
 
-from tandem.algorithms import PolicyObjective
+from tandem.algorithms import PolicyObjective, plan_mini_batches
 from tandem.algorithms.batch import LossInputs
 from tandem.algorithms.objective import LossMeanOver
 from tandem.core.config import AlgorithmConfig
-from tandem.core.protocols import GenerationRequest, LogProbEngine, LossObjective, SamplingParams, TrainEngine
+from tandem.core.protocols import (
+    GenerationRequest,
+    LogProbEngine,
+    LossObjective,
+    PartialTrainStep,
+    SamplingParams,
+    TrainEngine,
+)
 from tandem.core.records import FinishReason, Trajectory, token_trajectory
-from tandem.engines.shared.microbatch import plan_micro_batches
+from tandem.engines.shared.microbatch import plan_micro_batches, response_logprobs
+from tandem.engines.shared.threads import budgeted_executor
 from tandem.engines.text.rollout import HFRolloutEngine
+from tandem.engines.trainers.loss_loop import StepTotals, accumulate
 from tandem.engines.trainers.torch_train import TorchLogProbEngine, TorchTrainEngine
 from tests.unit.engines.weights_for_tests import push
 
@@ -222,3 +233,125 @@ async def test_synced_weights_make_rollout_and_trainer_agree(tmp_path: Path, tie
         [logprobs] = await trainer.logprobs(samples)
     assert samples[0].versions == [1] * 10
     assert max(abs(a - b) for a, b in zip(samples[0].behaviour_logprobs, logprobs, strict=True)) < 1e-4
+
+
+# ---------------------------------------------------------------- mini-batches and epochs
+
+
+def plan(batch: list[Trajectory], mini_batches: int, epochs: int = 1, step: int = 0) -> list[list[int]]:
+    """The train role's plan for ``batch`` (trajectories group by group), run seed 0."""
+    return plan_mini_batches([t.prompt_id for t in batch], mini_batches, epochs, seed=0, step=step)
+
+
+def weights_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def one_optimizer_step_by_hand(model_dir: Path, batch: list[Trajectory]) -> dict[str, torch.Tensor]:
+    """The train step before mini-batches, written out: the one loss loop over every trajectory,
+    clipped at norm 1, one AdamW step at lr 1e-2 (on a one-thread worker, as the engine's)."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+    totals = StepTotals.of(batch, pg_loss.mean_over)
+    accumulate(
+        batch, lambda mb: response_logprobs(model, mb, 1.0), pg_loss, totals,
+        max_tokens=64, device=torch.device("cpu"), version=0,
+    )  # fmt: skip
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    return weights_of(model)
+
+
+async def test_one_mini_batch_of_one_epoch_is_the_train_step_before_mini_batches_bit_for_bit(
+    trainer: TorchTrainEngine, model_dir: Path
+) -> None:
+    batch = make_batch()
+    metrics = await trainer.train_step(batch, pg_loss, plan(batch, 1))
+    worker = budgeted_executor("reference", 1)
+    try:
+        expected = worker.submit(one_optimizer_step_by_hand, model_dir, batch).result()
+    finally:
+        worker.shutdown()
+    assert trainer.version == 1 and metrics["optimizer_steps"] == metrics["optimizer_steps_total"] == 1.0
+    trained = weights_of(trainer.model)
+    assert all(torch.equal(trained[name], expected[name]) for name in expected)
+
+
+@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+async def test_each_mini_batch_is_an_optimizer_step_of_its_own_inside_one_version(model_dir: Path, aggregation: str) -> None:
+    # Two mini-batches in one train step train exactly as two train steps on them would: each
+    # its own loss aggregated over its own tokens or sequences (DAPO's token mean included), its
+    # own clipping, its own LR-schedule step; only the version counts one.
+    batch = make_batch(groups=4)
+    halves = plan(batch, 2)
+    objective = PolicyObjective(AlgorithmConfig(decoupled=False, aggregation=aggregation))
+    async with (
+        TorchTrainEngine(str(model_dir), lr=1e-2, warmup_steps=4) as together,
+        TorchTrainEngine(str(model_dir), lr=1e-2, warmup_steps=4) as apart,
+    ):
+        metrics = await together.train_step(batch, objective, halves)
+        separate = [await apart.train_step([batch[i] for i in half], objective) for half in halves]
+        assert (together.version, apart.version) == (1, 2)
+        assert weights_of(together.model).keys() == weights_of(apart.model).keys()
+        assert all(torch.equal(p, weights_of(apart.model)[n]) for n, p in weights_of(together.model).items())
+    assert metrics["optimizer_steps"] == metrics["optimizer_steps_total"] == 2.0
+    assert metrics["lr"] == pytest.approx(1e-2 * (1 / 4 + 2 / 4) / 2)  # the warm-up moved once per optimizer step
+    assert metrics["grad_norm"] == pytest.approx(sum(m["grad_norm"] for m in separate) / 2)
+    assert metrics["loss"] == pytest.approx(sum(m["loss"] for m in separate) / 2)
+    assert metrics["tokens"] == sum(s.num_actions for s in batch) and metrics["samples"] == len(batch)
+    assert metrics["micro_batches"] == sum(m["micro_batches"] for m in separate)
+
+
+async def test_epochs_pass_over_the_step_again_and_each_optimizer_step_knows_where_its_weights_stand(
+    trainer: TorchTrainEngine,
+) -> None:
+    batch = make_batch(groups=4)
+    for s in batch:
+        s.versions = [0] * s.num_actions  # sampled at the step's own version: fresh at its first optimizer step
+    seen: list[tuple[LossInputs, bool]] = []
+
+    def spy(inputs: LossInputs) -> tuple[torch.Tensor, dict[str, float]]:
+        seen.append((inputs, trainer._weights_lock.locked()))
+        return pg_loss(inputs)
+
+    mini_batches = plan(batch, 2, epochs=2)
+    metrics = await trainer.train_step(batch, Objective(spy), mini_batches)
+    assert trainer.version == 1 and metrics["optimizer_steps"] == 4.0
+    for inputs, locked in seen:
+        assert inputs.prox_version == 0 and inputs.current_version in (0.0, 0.25, 0.5, 0.75)
+        assert inputs.versions is not None and torch.equal(inputs.versions[inputs.mask > 0], torch.zeros(int(inputs.mask.sum())))
+        # Only the first optimizer step's weights are a version's: its tokens are fresh, and until
+        # then a sync may read the weights; from then until the version moves on, none can.
+        first = inputs.current_version == 0.0
+        assert (inputs.fresh is not None) is first and locked is not first
+    rows = [sum(len(i.mask) for i, _ in seen if i.current_version == k / 4) for k in range(4)]
+    assert rows == [len(part) for part in mini_batches]
+    await trainer.train_step(batch, pg_loss, plan(batch, 2, epochs=2, step=1))
+    assert trainer.version == 2
+
+
+def failing_from(version: float) -> Objective:
+    """``pg_loss``, raising in every optimizer step whose weights stand at ``version`` or later."""
+
+    def loss(inputs: LossInputs) -> tuple[torch.Tensor, dict[str, float]]:
+        assert inputs.current_version is not None
+        if inputs.current_version >= version:
+            raise ValueError("loss exploded")
+        return pg(inputs)
+
+    return Objective(loss)
+
+
+async def test_a_failure_at_the_first_optimizer_step_steps_nothing_and_one_after_it_is_a_partial_train_step(
+    trainer: TorchTrainEngine,
+) -> None:
+    batch = make_batch(groups=4)
+    before = weights_of(trainer.model)
+    with pytest.raises(ValueError, match="loss exploded"):
+        await trainer.train_step(batch, failing_from(0.0), plan(batch, 2))
+    assert trainer.version == 0
+    assert all(torch.equal(p, before[n]) for n, p in weights_of(trainer.model).items())
+    with pytest.raises(PartialTrainStep, match="after 1 of its 2 optimizer steps") as info:
+        await trainer.train_step(batch, failing_from(0.5), plan(batch, 2))
+    assert isinstance(info.value.__cause__, ValueError) and trainer.version == 0
+    assert any(not torch.equal(p, before[n]) for n, p in weights_of(trainer.model).items())  # no version's weights

@@ -1,4 +1,5 @@
-"""Trainer groups: the config that asks for one, the staging buffer, a failed start.
+"""Trainer groups: the config that asks for one, the staging buffer, a failed start, the driver's
+optimizer steps against scripted ranks.
 
 The engines' own behaviour in a group (steps equal to one process's, checkpoints across group
 sizes, a killed rank) is in ``test_fsdp.py`` and ``test_megatron_engine.py``.
@@ -8,14 +9,30 @@ from __future__ import annotations
 
 import multiprocessing
 import pickle
+from collections.abc import Sequence
 from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 
 import pytest
 import torch
+from test_torch_train import make_batch, pg_loss, plan
 
 from tandem.core.config import ConfigError, validate_config
-from tandem.engines.trainers.group import RankSpec, Staging, TrainerGroup, TrainRankError
+from tandem.core.protocols import PartialTrainStep
+from tandem.engines.trainers.group import (
+    Accumulate,
+    Accumulated,
+    Done,
+    Failed,
+    Publish,
+    RankSpec,
+    Ready,
+    Staging,
+    Step,
+    Stepped,
+    TrainerGroup,
+    TrainRankError,
+)
 
 CPU = torch.device("cpu")
 
@@ -79,6 +96,87 @@ def test_staging_lays_tensors_out_aligned_and_shares_them_across_processes() -> 
     assert all(torch.equal(received.tensors()[name], tensor) for name, tensor in tensors)
     received.tensors()["a"].fill_(7.0)
     assert torch.equal(views["a"], torch.full((5,), 7.0))
+
+
+# ---------------------------------------------------------------- the driver's optimizer steps
+
+
+class ScriptedRanks:
+    """Two ranks that answer the driver without a model: every accumulate succeeds but rank 1's
+    ``fail_at``-th (counting from 0); they count their optimizer steps and versions as ranks do."""
+
+    size = 2
+
+    def __init__(self, fail_at: int) -> None:
+        self.fail_at = fail_at
+        self.accumulates = 0
+        self.optimizer_steps = 0
+        self.version = 0
+        self.progress: list[float] = []
+
+    def started(self) -> list[object]:
+        return [Ready(0, "scripted.pt")] * self.size
+
+    def exchange(self, messages: Sequence[object]) -> list[object]:
+        head = messages[0]
+        if isinstance(head, Accumulate):
+            self.progress.append(head.progress)
+            self.accumulates += 1
+            if self.accumulates - 1 == self.fail_at:
+                return [Accumulated({"loss": 1.0}, 1), Failed("ValueError: loss exploded on rank 1")]
+            return [Accumulated({"loss": 1.0}, 1)] * self.size
+        if isinstance(head, Step):
+            self.optimizer_steps += head.proceed
+            return [Stepped(2.0, self.optimizer_steps)] * self.size
+        assert isinstance(head, Publish)
+        self.version += 1
+        return [Done(self.version)] * self.size
+
+    def close(self, *, broken: bool) -> None:
+        pass
+
+
+def scripted_group(fail_at: int) -> tuple[TrainerGroup, ScriptedRanks]:
+    spec = RankSpec(
+        engine="ddp", model_path="scripted", device="cpu", dtype="float32", temperature=1.0, lr=1e-3,
+        weight_decay=0.0, warmup_steps=4, max_grad_norm=1.0, max_tokens_per_micro_batch=64, num_threads=1,
+    )  # fmt: skip
+    ranks = ScriptedRanks(fail_at)
+    return TrainerGroup(ranks, spec), ranks  # type: ignore[arg-type]
+
+
+async def test_the_driver_takes_an_optimizer_step_per_mini_batch_then_publishes_one_version() -> None:
+    group, ranks = scripted_group(fail_at=-1)
+    batch = make_batch(groups=4)
+    try:
+        metrics = await group.train_step(batch, pg_loss, plan(batch, 2, epochs=2))
+    finally:
+        group.close()
+    assert (group.version, ranks.optimizer_steps, ranks.progress) == (1, 4, [0.0, 0.25, 0.5, 0.75])
+    assert (metrics["optimizer_steps"], metrics["optimizer_steps_total"]) == (4.0, 4.0)
+    assert metrics["lr"] == pytest.approx(1e-3 * (1 + 2 + 3 + 4) / 4 / 4)  # warm-up over 4 optimizer steps
+
+
+async def test_a_rank_failing_at_the_first_optimizer_step_leaves_the_group_usable_and_after_it_breaks_it() -> None:
+    batch = make_batch(groups=4)
+    group, _ = scripted_group(fail_at=0)
+    try:
+        with pytest.raises(TrainRankError, match="train rank 1 failed"):
+            await group.train_step(batch, pg_loss, plan(batch, 2))
+        await group.train_step(batch, pg_loss, plan(batch, 2))  # every rank dropped the gradient: it goes on
+        assert group.version == 1
+    finally:
+        group.close()
+    group, _ = scripted_group(fail_at=1)
+    try:
+        with pytest.raises(PartialTrainStep, match="after 1 of its 2 optimizer steps") as info:
+            await group.train_step(batch, pg_loss, plan(batch, 2))
+        assert isinstance(info.value.__cause__, TrainRankError) and info.value.__cause__.rank == 1
+        with pytest.raises(RuntimeError, match="out of step since: train rank 1 failed"):  # no version's weights
+            await group.train_step(batch, pg_loss)
+        assert group.version == 0
+    finally:
+        group.close()
 
 
 # ---------------------------------------------------------------- a group that cannot start

@@ -1,5 +1,6 @@
 """TorchValueEngine: a value model from the policy's checkpoint, aligned with the actions, that
-learns its returns one optimizer step per call, and resumes from its checkpoint."""
+learns its returns one version per call (an optimizer step per mini-batch of the policy step's
+plan), and resumes from its checkpoint."""
 
 from __future__ import annotations
 
@@ -84,6 +85,32 @@ def test_train_steps_move_values_toward_the_returns_one_version_each(model_dir: 
         assert {"value_loss", "value_clip_fraction", "grad_norm"} <= set(metrics)
     finally:
         critic.close()
+
+
+def test_the_critic_takes_an_optimizer_step_per_mini_batch_inside_one_version(model_dir: Path) -> None:
+    # The policy step's plan, two mini-batches for two epochs: as two single-step versions per
+    # epoch on the halves (the same operations in the same order: equal bits on any CPU).
+    samples = batch()
+    for t in samples:
+        t.values = [0.0] * t.num_actions
+    halves = [[0, 2, 5], [1, 3, 4]]
+    together, apart = engine(model_dir), engine(model_dir)
+
+    async def scenario() -> dict[str, float]:
+        metrics = await together.train_step(samples, ValueObjective(clip_eps=10.0), halves * 2)
+        for half in halves * 2:
+            await apart.train_step([samples[i] for i in half], ValueObjective(clip_eps=10.0))
+        return metrics
+
+    try:
+        metrics = asyncio.run(scenario())
+        assert (together.version, apart.version) == (1, 4)
+        assert (metrics["optimizer_steps"], metrics["optimizer_steps_total"]) == (4.0, 4.0)
+        expected = dict(apart.model.named_parameters())
+        assert all(torch.equal(p, expected[name]) for name, p in together.model.named_parameters())
+    finally:
+        together.close()
+        apart.close()
 
 
 def test_the_critic_refuses_a_batch_without_returns(model_dir: Path) -> None:
