@@ -8,6 +8,7 @@ from pydantic import Field, model_validator
 from tandem.core.config.algorithm import AlgorithmConfig, check_algorithm_stages, check_objective_inputs
 from tandem.core.config.cluster import ClusterConfig, ParamSyncConfig, check_cluster
 from tandem.core.config.engines import EnginesConfig, FakeEnginesConfig, check_rollout_placement
+from tandem.core.config.lora import check_lora
 from tandem.core.config.run import (
     ROLE_NAMES,
     FlowConfig,
@@ -78,6 +79,7 @@ class TandemConfig(Section):
             )
         check_cluster(self)
         check_rollout_placement(self)
+        check_lora(self)
         check_algorithm_stages(self)
         if self.engines.type != "fake" and self.task.name is None:
             raise ValueError(f"task.name: engines.type={self.engines.type} trains a real model: name its task")
