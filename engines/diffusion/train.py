@@ -309,7 +309,7 @@ class DiffusionTrainEngine(ClosesOnAThread):
         return grad_norm
 
     def _save(self, path: Path) -> None:
-        save_trainer_state(path, self._model, self._optimizer, self._scheduler, self._version)
+        save_trainer_state(path, self._model.state_dict(), self._optimizer, self._scheduler, self._version)
 
     def _load(self, path: Path) -> None:
         state = load_trainer_state(path)
