@@ -136,6 +136,9 @@ def _fingerprint(config: TandemConfig) -> dict[str, Any]:
         out[dotted] = node
     if config.engines.type == "torch":
         out["engines.model_path"] = dumped["engines"]["model_path"]
+        # An adapter's checkpoint holds the adapter alone: it resumes only into the same adapter.
+        lora = config.engines.lora
+        out["engines.lora"] = None if lora is None else lora.structure
     return out
 
 
