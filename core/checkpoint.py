@@ -141,6 +141,9 @@ def _fingerprint(config: TandemConfig) -> dict[str, Any]:
         out[dotted] = node
     if config.engines.type == "torch":
         out["engines.model_path"] = dumped["engines"]["model_path"]
+        # An adapter's checkpoint holds the adapter alone: it resumes only into the same adapter.
+        lora = config.engines.lora
+        out["engines.lora"] = None if lora is None else lora.structure
     # Another teacher (or one added or removed) would score what is left of the run differently
     # from what it trained on so far, or restore the wrong weights: the same one, or a fresh run.
     out["teacher.model_path"] = (dumped["teacher"] or {}).get("model_path")

@@ -2,6 +2,8 @@
 
 The weights are the module's ``state_dict``: parameters and persistent buffers, each storage
 once (a tied weight travels under its first name and lands in every alias on the other side).
+A target may instead be given the part of its module that updates carry (a LoRA adapter's
+tensors): updates then name exactly those, and the rest of the module is never written.
 
 :class:`StepGate` is the decode-step boundary. The generator runs each decode step inside
 ``target.decode_step()``; the target changes weights only while it holds the gate, which it
@@ -33,7 +35,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
 
 import numpy as np
@@ -137,9 +139,14 @@ class StepGate:
 
 
 class ModuleTarget:
-    """A :class:`~param_sync.protocols.SyncTarget` that loads into a module's own tensors."""
+    """A :class:`~param_sync.protocols.SyncTarget` that loads into a module's own tensors:
+    ``weights`` (live tensors of ``module`` by the names updates use; default its whole
+    ``state_dict``), which every update must name exactly."""
 
-    def __init__(self, module: nn.Module, *, load_mode: LoadMode = "swap", version: int = 0) -> None:
+    def __init__(
+        self, module: nn.Module, *, load_mode: LoadMode = "swap", version: int = 0,
+        weights: Mapping[str, torch.Tensor] | None = None,
+    ) -> None:  # fmt: skip
         if load_mode not in ("pause", "swap"):
             raise ValueError(f"load_mode must be 'pause' or 'swap', got {load_mode!r}")
         self.module = module
@@ -147,7 +154,7 @@ class ModuleTarget:
         self._mode: LoadMode = load_mode
         self._version = version
         # Every name (tied aliases included) -> the live tensor object; its .data may be swapped.
-        self._by_name: dict[str, torch.Tensor] = dict(module.state_dict(keep_vars=True))
+        self._by_name: dict[str, torch.Tensor] = dict(module.state_dict(keep_vars=True) if weights is None else weights)
         # Each distinct tensor -> its first name (built in reverse so the first name wins).
         self._first_name = {id(t): name for name, t in reversed(list(self._by_name.items()))}
         for name, tensor in self._by_name.items():

@@ -27,7 +27,7 @@ stale_trained, stale_dropped, regenerated, withheld, filtered, zero_variance_tra
 ``dynamic_sampling_filter_rate`` (the last step's filtered groups over filtered plus trained);
 ``rollout_train_gap{stat}`` (log pi_rollout - log pi_train on the last step's tokens that the
 trained weights sampled: mean, abs_max, icepop_fraction; 0 until an engine measures it) and
-``weight_probe_gap`` (the largest log-prob gap of the last weight sync's probe, vLLM).
+``weight_probe_gap`` (the largest log-prob gap of the last weight sync's probe: vLLM, LoRA adapters).
 """
 
 from __future__ import annotations

@@ -9,10 +9,10 @@ The parts, each small enough to hold in mind:
 - :mod:`~tandem.core.config.run`: the flow's sections (run, staleness, flow, roles, train,
   rollout, validation, observability);
 - :mod:`~tandem.core.config.workloads`: the task and its rewards, images, episodes;
-- :mod:`~tandem.core.config.engines`, :mod:`~tandem.core.config.algorithm`,
-  :mod:`~tandem.core.config.cluster`, :mod:`~tandem.core.config.teacher`: those sections, each
-  with the rules it imposes on the rest (a rollout placement's needs, the loss's inputs, a Ray
-  cluster's limits, what distillation needs);
+- :mod:`~tandem.core.config.engines` (with :mod:`~tandem.core.config.lora`, its adapter section),
+  :mod:`~tandem.core.config.algorithm`, :mod:`~tandem.core.config.cluster`,
+  :mod:`~tandem.core.config.teacher`: those sections, each with the rules it imposes on the rest
+  (a rollout placement's needs, the loss's inputs, a Ray cluster's limits, what distillation needs);
 - :mod:`~tandem.core.config.schema`: ``TandemConfig``, the whole run, which runs those rules;
 - :mod:`~tandem.core.config.loading`: YAML, overrides, errors that name the field;
 - :mod:`~tandem.core.config.errors`: ``ConfigError`` and ``import_named``.
@@ -37,6 +37,7 @@ from tandem.core.config.engines import (
 )
 from tandem.core.config.errors import ConfigError, import_named
 from tandem.core.config.loading import apply_overrides, load_config, validate_config
+from tandem.core.config.lora import LoraConfig
 from tandem.core.config.run import (
     DEFAULT_STAGES,
     ROLE_NAMES,
@@ -69,6 +70,7 @@ __all__ = [
     "FaultSpec",
     "FlowConfig",
     "LatencySpec",
+    "LoraConfig",
     "ObservabilityConfig",
     "ParamSyncConfig",
     "RewardFunctionConfig",

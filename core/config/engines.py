@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Annotated, Literal
 from pydantic import Field, SecretStr, model_validator
 
 from tandem.core.config.errors import ConfigError
+from tandem.core.config.lora import LoraConfig, default_probe_gap
 from tandem.core.config.run import LatencySpec
 from tandem.core.config.section import Section
 
@@ -221,9 +222,7 @@ class VllmConfig(Section):
     instead of 5,500-5,800 (64 sequences)."""
 
     def max_gap(self, dtype: str) -> float:
-        if self.probe_max_gap is not None:
-            return self.probe_max_gap
-        return 1e-3 if dtype == "float32" else 0.25
+        return self.probe_max_gap if self.probe_max_gap is not None else default_probe_gap(dtype)
 
 
 class TorchEnginesConfig(Section):
@@ -290,6 +289,9 @@ class TorchEnginesConfig(Section):
     """Gradient-norm clip."""
     max_tokens_per_micro_batch: int = Field(4096, ge=1)
     """Token budget of one forward/backward micro-batch (padding included)."""
+    lora: LoraConfig | None = None
+    """Train a LoRA adapter on the frozen base model instead of every weight (``engines.lora``);
+    None: full fine-tuning."""
 
     @model_validator(mode="after")
     def _parallel_layout(self) -> TorchEnginesConfig:

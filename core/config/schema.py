@@ -13,6 +13,7 @@ from tandem.core.config.algorithm import (
 )
 from tandem.core.config.cluster import ClusterConfig, ParamSyncConfig, check_cluster
 from tandem.core.config.engines import EnginesConfig, FakeEnginesConfig, check_rollout_placement
+from tandem.core.config.lora import check_lora
 from tandem.core.config.run import (
     ROLE_NAMES,
     FlowConfig,
@@ -86,6 +87,7 @@ class TandemConfig(Section):
             )
         check_cluster(self)
         check_rollout_placement(self)
+        check_lora(self)
         check_algorithm_stages(self)
         check_teacher(self)
         check_proximal_schedule(self)

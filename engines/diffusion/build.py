@@ -62,6 +62,8 @@ def check_image_config(config: TandemConfig) -> TorchEnginesConfig:
             f"engines.train={spec.train}, engines.data_parallel={spec.data_parallel}: the image workload trains with "
             "its own diffusers engine (engines.train=torch, engines.data_parallel=ddp)"
         )
+    if spec.lora is not None:
+        raise ConfigError("engines.lora: adapters train on the text workloads only (not yet on the image trainer)")
     if "ref_logp" in config.flow.stages:
         raise ConfigError(
             "flow.stages: the image workload's KL is exact (algorithm.kl_estimator=exact, computed by the train "

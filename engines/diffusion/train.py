@@ -316,7 +316,7 @@ class DiffusionTrainEngine(ClosesOnAThread):
         return sums, len(plan)
 
     def _save(self, path: Path) -> None:
-        save_trainer_state(path, self._model, self._optimizer, self._scheduler, self._version)
+        save_trainer_state(path, self._model.state_dict(), self._optimizer, self._scheduler, self._version)
 
     def _load(self, path: Path) -> None:
         state = load_trainer_state(path)

@@ -7,7 +7,9 @@
   log-probs;
 - :mod:`~tandem.engines.shared.weight_sync`: the in-process weight sync from a trainer's dual
   buffer into a rollout engine;
-- :mod:`~tandem.engines.shared.tokenizer`: loading a model folder's tokenizer.
+- :mod:`~tandem.engines.shared.tokenizer`: loading a model folder's tokenizer;
+- :mod:`~tandem.engines.shared.lora`: LoRA adapters with peft (targets, what trains and syncs, exports);
+- :mod:`~tandem.engines.shared.probe`: the weight probe, each sync's proof that it landed.
 
 Nothing is imported here: the modules pull in torch.
 """

@@ -31,14 +31,23 @@ from tandem.core.protocols import SamplingParams, WeightSync
 from tandem.core.records import TaskItem
 from tandem.core.task import Task
 from tandem.engines.shared.chat import PromptEncoder, read_chat_template
+from tandem.engines.shared.lora import lora_settings, save_adapter, save_merged
+from tandem.engines.shared.probe import probed_in_process
 from tandem.engines.shared.tokenizer import load_tokenizer, vocabulary_difference
 from tandem.engines.shared.weight_sync import TorchWeightSync
 from tandem.engines.text.rollout import HFRolloutEngine
 from tandem.engines.text.workflow import SingleTurnWorkflow
 from tandem.engines.trainers.critic import TorchValueEngine
-from tandem.engines.trainers.torch_train import TEACHER_STATE_FILE, TorchLogProbEngine, TorchTrainEngine
+from tandem.engines.trainers.torch_train import (
+    TEACHER_STATE_FILE,
+    BaseModelReference,
+    TorchLogProbEngine,
+    TorchTrainEngine,
+)
 
 if TYPE_CHECKING:
+    import peft
+
     from tandem.engines.trainers.group import TrainerGroup
 
 __all__ = [
@@ -46,6 +55,7 @@ __all__ = [
     "RolloutPlacement",
     "build_torch_components",
     "embedded_rollout",
+    "lora_of",
     "prompt_budget",
     "prompt_encoder",
     "reference_engine",
@@ -54,6 +64,7 @@ __all__ = [
     "run_tokenizer",
     "sampling_params",
     "save_checkpoint",
+    "save_merged_checkpoint",
     "teacher_engine",
     "teacher_path",
     "thread_budgets",
@@ -133,6 +144,14 @@ def tokenized_held_out(task: Task, encode: Callable[[TaskItem], list[int]]) -> C
     return held_out
 
 
+def lora_of(config: TandemConfig) -> peft.LoraConfig | None:
+    """peft's settings for ``engines.lora`` on the run's model (None without it), after checking
+    its targets against the model's layers: a bad one fails here, before any weights load."""
+    spec = config.engines
+    assert isinstance(spec, TorchEnginesConfig)
+    return None if spec.lora is None else lora_settings(spec.lora, resolve_model_path(spec.model_path))
+
+
 def rollout_engine(config: TandemConfig, num_threads: int) -> HFRolloutEngine:
     """The rollout engine a torch config describes, decoding on ``num_threads`` threads."""
     spec = config.engines
@@ -140,13 +159,14 @@ def rollout_engine(config: TandemConfig, num_threads: int) -> HFRolloutEngine:
     return HFRolloutEngine(
         str(resolve_model_path(spec.model_path)), device=spec.device, dtype=TORCH_DTYPES[spec.dtype],
         max_batch_size=spec.max_batch_size, num_threads=num_threads, resume_policy=spec.resume_policy,
-        load_mode=config.param_sync.load_mode,
+        load_mode=config.param_sync.load_mode, lora=lora_of(config),
     )
 
 
 def train_engine(config: TandemConfig, num_threads: int) -> TorchTrainEngine | TrainerGroup:
     """The trained policy a torch config describes, computing on ``num_threads`` threads per rank:
-    a group of rank processes (``engines.trainers.group``) for several ranks, FSDP2 or megatron, else ``TorchTrainEngine``."""
+    a group of rank processes (``engines.trainers.group``) for several ranks, FSDP2 or megatron, else ``TorchTrainEngine``
+    (with ``engines.lora``: an adapter at ``engines.lora.lr``, its syncs probed)."""
     spec = config.engines
     assert isinstance(spec, TorchEnginesConfig)
     if spec.trainer_group is not None:
@@ -154,11 +174,12 @@ def train_engine(config: TandemConfig, num_threads: int) -> TorchTrainEngine | T
 
         ranks = RankSpec.from_config(config, str(resolve_model_path(spec.model_path)), num_threads)
         return TrainerGroup.local(ranks, spec.train_world_size)
+    lr = spec.lr if spec.lora is None or spec.lora.lr is None else spec.lora.lr
     return TorchTrainEngine(
-        str(resolve_model_path(spec.model_path)), lr=spec.lr, device=spec.device, dtype=TORCH_DTYPES[spec.dtype],
+        str(resolve_model_path(spec.model_path)), lr=lr, device=spec.device, dtype=TORCH_DTYPES[spec.dtype],
         temperature=config.rollout.temperature, weight_decay=spec.weight_decay, warmup_steps=spec.warmup_steps,
         max_grad_norm=spec.max_grad_norm, max_tokens_per_micro_batch=spec.max_tokens_per_micro_batch,
-        num_threads=num_threads,
+        num_threads=num_threads, lora=lora_of(config), probe=spec.lora is not None,
     )
 
 
@@ -170,9 +191,15 @@ def trainer_with_export(
     ``tokenizer``: the :func:`run_tokenizer` when the caller has it already."""
     tokenizer = run_tokenizer(config) if tokenizer is None else tokenizer
     engine = train_engine(config, num_threads)
+    spec = config.engines
+    assert isinstance(spec, TorchEnginesConfig)
+    merged = spec.lora is not None and spec.lora.export_merged
 
     async def export(folder: Path) -> None:
         await asyncio.to_thread(save_checkpoint, engine, tokenizer, folder)
+        if merged:
+            assert isinstance(engine, TorchTrainEngine)
+            await asyncio.to_thread(save_merged_checkpoint, config, engine, tokenizer, folder / "merged")
 
     return engine, export
 
@@ -267,14 +294,26 @@ def prompt_budget(config: TandemConfig, tokenizer: Any) -> int:
 
 
 def save_checkpoint(engine: TorchTrainEngine | TrainerGroup, tokenizer: Any, folder: Path) -> None:
-    """Export the trainer's weights and tokenizer, loadable by ``from_pretrained``. The
-    optimizer and everything else a resume needs are in the run's resumable checkpoints
-    (``core.checkpoint``), not here."""
+    """Export the trainer's weights and tokenizer, loadable by ``from_pretrained``; a LoRA
+    trainer's adapter in peft's format instead, loadable by ``PeftModel.from_pretrained`` on the
+    base. The optimizer and everything else a resume needs are in the run's resumable
+    checkpoints (``core.checkpoint``), not here."""
     folder.mkdir(parents=True, exist_ok=True)
-    if isinstance(engine, TorchTrainEngine):
+    if isinstance(engine, TorchTrainEngine) and engine.lora is not None:
+        save_adapter(engine.model, engine.state_dict()["model"], folder)
+    elif isinstance(engine, TorchTrainEngine):
         engine.model.save_pretrained(folder, state_dict=engine.state_dict()["model"])
     else:
         engine.save_pretrained(folder)  # gathered from the ranks, written by rank 0
+    tokenizer.save_pretrained(folder)
+
+
+def save_merged_checkpoint(config: TandemConfig, engine: TorchTrainEngine, tokenizer: Any, folder: Path) -> None:
+    """Export the base with the trainer's adapter merged in (``engines.lora.export_merged``) and
+    the tokenizer, loadable by plain ``from_pretrained``."""
+    spec = config.engines
+    assert isinstance(spec, TorchEnginesConfig) and engine.lora is not None
+    save_merged(resolve_model_path(spec.model_path), engine.lora, engine.state_dict()["model"], folder, TORCH_DTYPES[spec.dtype])
     tokenizer.save_pretrained(folder)
 
 
@@ -289,13 +328,21 @@ RolloutPlacement = Callable[[TandemConfig, Any, int], tuple[Any, WeightSync]]
 def embedded_rollout(
     config: TandemConfig, trainer: TorchTrainEngine | TrainerGroup, threads: int
 ) -> tuple[HFRolloutEngine, WeightSync]:
-    """The embedded engine, fed from the trainer's dual buffer in this process."""
+    """The embedded engine, fed from the trainer's dual buffer in this process; with
+    ``engines.lora``, the adapter alone, each sync proven by the probe (``engines.shared.probe``)."""
     rollout = rollout_engine(config, threads)
-    ps = config.param_sync
+    spec, ps = config.engines, config.param_sync
+    assert isinstance(spec, TorchEnginesConfig)
     try:
-        return rollout, TorchWeightSync.in_process(
-            trainer, rollout, produce_bucket_mb=ps.produce_bucket_mb, consume_bucket_mb=ps.consume_bucket_mb
-        )
+        if spec.lora is None:
+            return rollout, TorchWeightSync.in_process(
+                trainer, rollout, produce_bucket_mb=ps.produce_bucket_mb, consume_bucket_mb=ps.consume_bucket_mb
+            )
+        assert isinstance(trainer, TorchTrainEngine) and trainer.probe is not None
+        return rollout, probed_in_process(
+            trainer, rollout, trainer.probe, max_gap=spec.lora.max_gap(spec.dtype), what="the adapter",
+            produce_bucket_mb=ps.produce_bucket_mb, consume_bucket_mb=ps.consume_bucket_mb,
+        )  # fmt: skip
     except BaseException:
         rollout.close()
         raise
@@ -317,14 +364,20 @@ def build_torch_components(
     teaching = teacher_path(config, tokenizer) if config.teacher is not None else None  # likewise
     encode = prompt_encoder(config, tokenizer, setup.items)
     engine, checkpoint = trainer_with_export(config, train_threads, tokenizer)
-    reference = reference_engine(config, train_threads) if "ref_logp" in config.flow.stages else None
+    reference: TorchLogProbEngine | BaseModelReference | None = None
+    if "ref_logp" in config.flow.stages and spec.lora is not None:
+        assert isinstance(engine, TorchTrainEngine)
+        reference = engine.base_reference()  # the base, adapter disabled: no second copy of the model
+    elif "ref_logp" in config.flow.stages:
+        reference = reference_engine(config, train_threads)
     teacher = teacher_engine(config, teaching, train_threads) if teaching is not None else None
     critic = value_engine(config, train_threads) if "critic" in config.flow.stages else None
     rollout, weight_sync = place_rollout(config, engine, gen_threads)
 
     # The sync first: a sync in flight finishes against live engines before they stop.
     closers = [weight_sync.close, rollout.close, engine.close]
-    closers += [beside.close for beside in (reference, teacher, critic) if beside is not None]
+    closers += [reference.close] if isinstance(reference, TorchLogProbEngine) else []
+    closers += [beside.close for beside in (teacher, critic) if beside is not None]
     return Components(
         prompts=tokenized(setup.items, encode),
         held_out=tokenized_held_out(setup.task, encode),

@@ -23,6 +23,9 @@ Invariants:
   copy on this side). At the first step after a new version committed, sequences in flight are
   either re-prefilled under the new weights (``ResumePolicy.RECOMPUTE``, the default) or keep
   the cache the old weights built (``KEEP_CACHE``), and ``Trajectory.resumed`` records which;
+- with a LoRA adapter (``lora``) the model is wrapped by peft and the target holds the
+  adapter's tensors only (unmerged, under the trainer's names): an update replaces the whole
+  adapter, the base is never written, and until the commit the previous adapter serves;
 - behaviour log-probs are those of the distribution each token was actually drawn from:
   ``log_softmax(logits / temperature)``, the quantity the train engine recomputes at the same
   temperature, renormalised over the tokens top-k/top-p kept when those filters are on (minus
@@ -37,7 +40,9 @@ Invariants:
 from __future__ import annotations
 
 import inspect
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -48,8 +53,13 @@ from transformers.cache_utils import DynamicLayer
 from tandem.core.protocols import GenerationRequest
 from tandem.core.records import FinishReason, ResumePolicy, Trajectory, token_trajectory
 from tandem.engines.shared.batching import Call, ContinuousBatcher, EngineClosedError
+from tandem.engines.shared.lora import adapter_tensors, with_adapter
+from tandem.engines.shared.probe import probe_logprobs
 from tandem.engines.shared.tokenizer import load_tokenizer
 from tandem.param_sync import LoadMode, ModuleTarget
+
+if TYPE_CHECKING:
+    import peft
 
 __all__ = ["DecodeRow", "EngineClosedError", "HFRolloutEngine", "validate_request"]
 
@@ -166,7 +176,7 @@ class HFRolloutEngine(ContinuousBatcher[GenerationRequest, DecodeRow, "_Batch | 
     Implements :class:`core.protocols.RolloutEngine`. Several concurrent ``generate()``
     calls share one continuous batch of at most ``max_batch_size`` rows. New weights reach it
     through ``target`` (a :class:`~param_sync.ModuleTarget` in ``load_mode``), fed by a
-    param_sync :class:`~param_sync.Receiver`.
+    param_sync :class:`~param_sync.Receiver`; with ``lora``, a peft adapter's tensors only.
     """
 
     def __init__(
@@ -180,13 +190,14 @@ class HFRolloutEngine(ContinuousBatcher[GenerationRequest, DecodeRow, "_Batch | 
         resume_policy: ResumePolicy | str = ResumePolicy.RECOMPUTE,
         load_mode: LoadMode = "swap",
         start_version: int = 0,
+        lora: peft.LoraConfig | None = None,
     ) -> None:
         super().__init__(max_batch_size=max_batch_size, num_threads=num_threads)
         self._device = torch.device(device)
         self._resume_policy = ResumePolicy(resume_policy)
 
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
-        self._model = model.to(self._device).eval().requires_grad_(False)
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(self._device)
+        self._model = (model if lora is None else with_adapter(model, lora)).eval().requires_grad_(False)
         # transformers renamed forward's ``past_key_values`` to ``cache`` (the old name warns on
         # every call and is removed in 5.40); older releases know only the old one.
         self._cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
@@ -198,7 +209,8 @@ class HFRolloutEngine(ContinuousBatcher[GenerationRequest, DecodeRow, "_Batch | 
         self._tokenizer = load_tokenizer(model_path)
         eos = model.generation_config.eos_token_id
         self._eos_ids: frozenset[int] = frozenset([] if eos is None else [eos] if isinstance(eos, int) else eos)
-        self.target = ModuleTarget(self._model, load_mode=load_mode, version=start_version)
+        weights = None if lora is None else adapter_tensors(self._model)
+        self.target = ModuleTarget(self._model, load_mode=load_mode, version=start_version, weights=weights)
         self._serving = start_version  # decode thread only: the version its last step decoded with
         self._start("hf-rollout")
 
@@ -213,6 +225,13 @@ class HFRolloutEngine(ContinuousBatcher[GenerationRequest, DecodeRow, "_Batch | 
     def model(self) -> torch.nn.Module:
         """The served model, for inspection and hooks; change weights only through ``target``."""
         return self._model
+
+    def probe_logprobs(self, token_ids: Sequence[int]) -> list[float]:
+        """Log-probs of ``token_ids[1:]`` at temperature 1 under the weights serving now (the
+        sync's probe, ``engines.shared.probe``), computed on the caller's thread inside the step
+        gate, so no update lands midway. Blocking; not from an event loop."""
+        with self.target.decode_step():
+            return probe_logprobs(self._model, token_ids)
 
     # ----------------------------------------------------------------------- the batching loop's hooks
 

@@ -96,7 +96,7 @@ class DDPRank:
 
     def save(self, path: Path) -> None:
         if self._rank == 0:
-            save_trainer_state(path, self._model, self._optimizer, self._scheduler, self.version)
+            save_trainer_state(path, self._model.state_dict(), self._optimizer, self._scheduler, self.version)
 
     def load(self, path: Path) -> None:
         self.version = restore_trainer_state(load_trainer_state(path), self._model, self._optimizer, self._scheduler)

@@ -1,13 +1,15 @@
 """A one-replica trainer's checkpoint: one format for the plain torch trainer, its DDP ranks and the
 image trainer, so a run resumes across them (one process or any number of DDP ranks).
 
-The file holds the model's and the optimizer's state dicts, the LR schedule, the version (the
-optimizer steps taken) and torch's CPU RNG state. It is read onto the CPU first (the RNG state
-must stay there); ``load_state_dict`` then copies weights and moments to the model's device.
+The file holds the model's (or, for a LoRA adapter, the adapter's) and the optimizer's state
+dicts, the LR schedule, the version (the optimizer steps taken) and torch's CPU RNG state. It is
+read onto the CPU first (the RNG state must stay there); ``load_state_dict`` then copies weights
+and moments to the model's device.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -19,10 +21,12 @@ TRAINER_STATE_FILE = "trainer.pt"  # what a trainer's save_state writes into a c
 
 
 def save_trainer_state(
-    path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, version: int
+    path: Path, model_state: Mapping[str, torch.Tensor], optimizer: torch.optim.Optimizer, scheduler: Any, version: int
 ) -> None:
+    """Write ``model_state`` (the model's ``state_dict``, or what of it trains: a LoRA adapter's
+    tensors) with the optimizer, schedule, version and RNG to ``path``."""
     state = {
-        "model": model.state_dict(),
+        "model": dict(model_state),
         "optimizer": optimizer.state_dict(),
         "scheduler": scheduler.state_dict(),
         "version": version,

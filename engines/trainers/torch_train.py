@@ -24,7 +24,13 @@ Invariants:
 - the weights and ``version`` change together, only under ``TorchTrainEngine``'s weights lock
   (held from a train step's first optimizer step until its version is published, and by a
   checkpoint restore), so a reader holding that lock (``weights_for_sync``) sees one whole
-  version and knows which, never the weights between two optimizer steps of one train step.
+  version and knows which, never the weights between two optimizer steps of one train step;
+  with a probe record, the probe's log-probs at the new version are recorded under that lock too;
+- with a LoRA adapter (``lora``: peft wraps the model, ``engines.shared.lora``) only the
+  adapter trains: it alone requires grad, sits in the optimizer, is synced, and fills the
+  checkpoints (``state_dict()["model"]`` holds the adapter's tensors under peft's names); the
+  base stays frozen and is scored, adapter disabled, by :meth:`TorchTrainEngine.base_reference`
+  (the KL reference without a second copy of the base).
 
 One process, one rank: data parallelism over several ranks is a trainer group of
 ``engines.trainers.ddp`` ranks (``engines.trainers.group``), which runs the same loss loop
@@ -39,7 +45,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from transformers import AutoModelForCausalLM
@@ -47,14 +53,26 @@ from transformers import AutoModelForCausalLM
 from tandem.algorithms.objective import LossMeanOver
 from tandem.core.protocols import LossObjective
 from tandem.core.records import Trajectory
+from tandem.engines.shared.lora import adapter_dropout, adapter_tensors, load_adapter, with_adapter
 from tandem.engines.shared.microbatch import MicroBatch, response_logprobs
+from tandem.engines.shared.probe import ProbeRecord, probe_logprobs, probe_sequence
 from tandem.engines.shared.threads import ClosesOnAThread, budgeted_executor
 from tandem.engines.trainers.loss_loop import StepTotals, accumulate, check_trainable, score
 from tandem.engines.trainers.optimizer_steps import InProcessSteps, step_parts
 from tandem.engines.trainers.state import TRAINER_STATE_FILE, load_trainer_state, save_trainer_state
 from tandem.param_sync import unique_weights
 
-__all__ = ["REFERENCE_STATE_FILE", "TEACHER_STATE_FILE", "TRAINER_STATE_FILE", "TorchLogProbEngine", "TorchTrainEngine"]
+if TYPE_CHECKING:
+    import peft
+
+__all__ = [
+    "REFERENCE_STATE_FILE",
+    "TEACHER_STATE_FILE",
+    "TRAINER_STATE_FILE",
+    "BaseModelReference",
+    "TorchLogProbEngine",
+    "TorchTrainEngine",
+]
 
 _T = TypeVar("_T")
 # What a frozen scorer's save_state writes into a checkpoint, one file per scorer of a run.
@@ -166,7 +184,12 @@ class TorchLogProbEngine(_TorchModelEngine):
 
 
 class TorchTrainEngine(_TorchModelEngine):
-    """The trained policy: AdamW with linear warmup to a constant LR; implements ``TrainEngine``."""
+    """The trained policy: AdamW with linear warmup to a constant LR; implements ``TrainEngine``.
+
+    ``lora``: train a peft LoRA adapter on the frozen base instead of every weight. ``probe``:
+    record the probe's log-probs at every version in :attr:`probe` (the sync's proof of
+    arrival, ``engines.shared.probe``).
+    """
 
     def __init__(
         self,
@@ -182,6 +205,8 @@ class TorchTrainEngine(_TorchModelEngine):
         max_tokens_per_micro_batch: int = 4096,
         num_threads: int = 1,
         start_version: int = 0,
+        lora: peft.LoraConfig | None = None,
+        probe: bool = False,
     ) -> None:
         super().__init__(
             model_path,
@@ -197,14 +222,20 @@ class TorchTrainEngine(_TorchModelEngine):
             raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
         if max_grad_norm <= 0:
             raise ValueError(f"max_grad_norm must be > 0, got {max_grad_norm}")
+        self._lora = lora
+        if lora is not None:
+            self._model = with_adapter(self._model, lora)
+        self._trained = [p for p in self._model.parameters() if p.requires_grad]  # all of them without an adapter
         # Held while the weights change (optimizer steps, restore) and by a sync reading them
         # from another thread (``weights_for_sync``): that reader never sees a torn step.
         self._weights_lock = threading.Lock()
-        self._optimizer = torch.optim.AdamW(self._model.parameters(), lr=lr, weight_decay=weight_decay)
+        self._optimizer = torch.optim.AdamW(self._trained, lr=lr, weight_decay=weight_decay)
         self._scheduler = torch.optim.lr_scheduler.LambdaLR(
             self._optimizer, lambda step: 1.0 if warmup_steps == 0 else min(1.0, (step + 1) / warmup_steps)
         )
         self._steps = InProcessSteps(self._model, self._optimizer, self._scheduler, max_grad_norm)
+        self.probe = ProbeRecord(probe_sequence(self._model.config.vocab_size)) if probe else None
+        self._record_probe()
 
     async def train_step(
         self, batch: Sequence[Trajectory], objective: LossObjective, mini_batches: Sequence[Sequence[int]] | None = None
@@ -226,13 +257,19 @@ class TorchTrainEngine(_TorchModelEngine):
             raise ValueError(f"objective.mean_over must be 'tokens' or 'sequences', got {mean_over!r}")
         return await self._on_worker(self._train_step, list(batch), objective, mean_over, mini_batches)
 
+    @property
+    def lora(self) -> peft.LoraConfig | None:
+        """The adapter's settings; None when every weight trains."""
+        return self._lora
+
     def named_tensors_for_sync(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(name, full tensor) per weight, tied storage once (``param_sync.unique_weights``).
+        """(name, full tensor) per weight, tied storage once (``param_sync.unique_weights``); with
+        an adapter, the adapter's tensors only (``engines.shared.lora.adapter_tensors``).
 
         These are the live tensors, unguarded: read them between train steps, or from another
         thread inside ``weights_for_sync``, and copy what must outlive the next step.
         """
-        yield from unique_weights(self._model).items()
+        yield from self._synced().items()
 
     @contextmanager
     def weights_for_sync(self) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
@@ -243,7 +280,13 @@ class TorchTrainEngine(_TorchModelEngine):
         param-sync gather) copies one whole version. Keep the block short: training waits.
         """
         with self._weights_lock:
-            yield self._version, unique_weights(self._model)
+            yield self._version, self._synced()
+
+    def base_reference(self) -> BaseModelReference:
+        """The base model, scored with the adapter disabled: the KL reference of a LoRA run."""
+        if self._lora is None:
+            raise ValueError("base_reference() needs an adapter: without one the trained model is no reference")
+        return BaseModelReference(self)
 
     def state_dict(self) -> dict[str, Any]:
         """A deep copy of model, optimizer, schedule and version, taken after queued work finishes.
@@ -267,10 +310,34 @@ class TorchTrainEngine(_TorchModelEngine):
 
     # ------------------------------------------------------------------ worker thread only
 
+    def _synced(self) -> dict[str, torch.Tensor]:
+        if self._lora is None:
+            return unique_weights(self._model)
+        return {name: t.detach() for name, t in adapter_tensors(self._model).items()}
+
+    def _model_state(self) -> dict[str, torch.Tensor]:
+        """What checkpoints hold of the model: every weight, or the adapter alone."""
+        return self._model.state_dict() if self._lora is None else self._synced()
+
+    def _load_model_state(self, state: dict[str, torch.Tensor]) -> None:
+        if self._lora is None:
+            self._model.load_state_dict(state)
+        else:
+            load_adapter(self._model, state)
+
+    def _record_probe(self) -> None:
+        """The probe's log-probs at the current version (under the weights lock, or before any thread runs)."""
+        if self.probe is not None:
+            self.probe.record(self._version, probe_logprobs(self._model, self.probe.token_ids))
+
+    def _score_base(self, trajectories: Sequence[Trajectory]) -> tuple[list[list[float]], list[list[float]]]:
+        with self._model.disable_adapter():
+            return self._score(trajectories)
+
     def _snapshot(self) -> dict[str, Any]:
         return copy.deepcopy(
             {
-                "model": self._model.state_dict(),
+                "model": self._model_state(),
                 "optimizer": self._optimizer.state_dict(),
                 "scheduler": self._scheduler.state_dict(),
                 "version": self._version,
@@ -278,7 +345,7 @@ class TorchTrainEngine(_TorchModelEngine):
         )
 
     def _save(self, path: Path) -> None:
-        save_trainer_state(path, self._model, self._optimizer, self._scheduler, self._version)
+        save_trainer_state(path, self._model_state(), self._optimizer, self._scheduler, self._version)
 
     def _load(self, path: Path) -> None:
         state = load_trainer_state(path)
@@ -287,12 +354,13 @@ class TorchTrainEngine(_TorchModelEngine):
 
     def _restore(self, state: dict[str, Any]) -> None:
         with self._weights_lock:
-            self._model.load_state_dict(state["model"])
+            self._load_model_state(state["model"])
             # The optimizer keeps the tensors it is given: a copy keeps our steps out of the
             # caller's dict (which may be loaded into another engine too).
             self._optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))
             self._scheduler.load_state_dict(state["scheduler"])
             self._version = state["version"]
+            self._record_probe()
 
     def _train_step(
         self,
@@ -305,10 +373,11 @@ class TorchTrainEngine(_TorchModelEngine):
 
         def accumulate_step(part: list[int], progress: float) -> tuple[dict[str, float], int]:
             trained = [samples[i] for i in part]
-            return accumulate(
-                trained, self._forward, loss_fn, StepTotals.of(trained, loss_mean_over), max_tokens=self._max_tokens,
-                device=self._device, version=self._version, progress=progress,
-            )  # fmt: skip
+            with adapter_dropout(self._model):  # a no-op without an adapter or its dropout
+                return accumulate(
+                    trained, self._forward, loss_fn, StepTotals.of(trained, loss_mean_over), max_tokens=self._max_tokens,
+                    device=self._device, version=self._version, progress=progress,
+                )  # fmt: skip
 
         metrics = self._steps.train(
             step_parts(samples, mini_batches), accumulate_step,
@@ -319,3 +388,20 @@ class TorchTrainEngine(_TorchModelEngine):
     def _publish(self) -> None:
         """The train step's optimizer steps are taken: its weights are the next version (under the weights lock)."""
         self._version += 1
+        self._record_probe()
+
+
+class BaseModelReference:
+    """A LoRA trainer's base model as a ``LogProbEngine``: its log-probs with the adapter disabled
+    (peft's ``disable_adapter``), computed on the trainer's worker thread between its steps, so
+    the KL reference costs no second copy of the base. Frozen: its version stays 0."""
+
+    version = 0
+
+    def __init__(self, trainer: TorchTrainEngine) -> None:
+        self._trainer = trainer
+
+    async def logprobs(self, trajectories: Sequence[Trajectory]) -> list[list[float]]:
+        trainer = self._trainer
+        logprobs, _ = await trainer._on_worker(trainer._score_base, trajectories)
+        return logprobs

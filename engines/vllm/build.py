@@ -17,8 +17,8 @@ import os
 
 from tandem.core.components import Components, TaskSetup
 from tandem.core.config import TandemConfig, TorchEnginesConfig
-from tandem.core.protocols import SyncReport
 from tandem.engines.server.router import ServerRolloutEngine
+from tandem.engines.shared.probe import ProbedWeightSync
 from tandem.engines.shared.weight_sync import SyncedTrainer, TorchWeightSync, TrainerSyncSource
 from tandem.engines.text.build import TORCH_DTYPES, resolve_model_path
 from tandem.engines.vllm.engine import VllmRolloutEngine, VllmSettings, eos_token_ids
@@ -26,7 +26,7 @@ from tandem.engines.vllm.server import VllmHttpEndpoint, VllmServerClient, vllm_
 from tandem.engines.vllm.sync import VllmShmTransport, WeightProbe
 from tandem.param_sync import ParamSyncer
 
-__all__ = ["VllmWeightSync", "build_vllm_server_components", "generation_cpus", "vllm_rollout"]
+__all__ = ["build_vllm_server_components", "generation_cpus", "vllm_rollout"]
 
 
 def generation_cpus(threads: int) -> list[int]:
@@ -35,24 +35,7 @@ def generation_cpus(threads: int) -> list[int]:
     return cores[-threads:]
 
 
-class VllmWeightSync:
-    """The flow's ``WeightSync`` into vLLM: the trainer's param_sync path, with each sync's probe
-    gap added to its metrics (``logprob_gap``, nats)."""
-
-    def __init__(self, inner: TorchWeightSync, probe: WeightProbe) -> None:
-        self._inner = inner
-        self._probe = probe
-
-    async def sync(self, version: int) -> SyncReport:
-        report = await self._inner.sync(version)
-        gap = self._probe.last_gap
-        return SyncReport(report.version, {**report.metrics, **({"logprob_gap": gap} if gap is not None else {})})
-
-    def close(self) -> None:
-        self._inner.close()
-
-
-def vllm_rollout(config: TandemConfig, trainer: SyncedTrainer, threads: int) -> tuple[VllmRolloutEngine, VllmWeightSync]:
+def vllm_rollout(config: TandemConfig, trainer: SyncedTrainer, threads: int) -> tuple[VllmRolloutEngine, ProbedWeightSync]:
     """vLLM serving ``engines.model_path`` on ``threads`` cores, and the weight sync into it from
     ``trainer`` (a ``text.build.RolloutPlacement``)."""
     spec = config.engines
@@ -68,7 +51,7 @@ def vllm_rollout(config: TandemConfig, trainer: SyncedTrainer, threads: int) -> 
         source = TrainerSyncSource(trainer)
         transport = VllmShmTransport(lambda: [engine], probe)
         syncer = ParamSyncer(source, transport, produce_bucket_mb=config.param_sync.produce_bucket_mb)
-        return engine, VllmWeightSync(TorchWeightSync(source, syncer), probe)
+        return engine, ProbedWeightSync(TorchWeightSync(source, syncer), probe)
     except BaseException:
         engine.close()
         raise
@@ -107,7 +90,7 @@ def build_vllm_server_components(config: TandemConfig, setup: TaskSetup) -> Comp
         client=lambda url, session: VllmServerClient(url, session, request_timeout_s=servers.request_timeout_s,
                                                      stop_token_ids=stop_ids, keys=keys),
         transport=transport,
-        wrap_sync=lambda inner: VllmWeightSync(inner, probe),
+        wrap_sync=lambda inner: ProbedWeightSync(inner, probe),
         key_env=vllm_key_env,
         records_agents=False,  # its /v1 answers carry no weight versions: agents get the run's recording proxy
     )

@@ -4,7 +4,7 @@ What it owns: :class:`VllmShmTransport`, the :class:`~param_sync.Transport` from
 dual buffer (halves in shared memory) into a :class:`~engines.vllm.engine.VllmRolloutEngine`,
 and :class:`WeightProbe`, which after every load scores a fixed short sequence in vLLM and,
 with the transformers model, under the very weights that were sent (the buffer half, read in
-place), and compares the two.
+place), and compares the two (the probe's sequence and scoring: ``engines.shared.probe``).
 
 Why the probe: the transfer's checksums prove the bytes reached vLLM's worker, not that vLLM
 computes with them. vLLM's CPU backend keeps packed copies of weights that an in-place
@@ -27,21 +27,16 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from tandem.engines.shared.probe import probe_gap, probe_logprobs, probe_sequence
 from tandem.param_sync import BucketHeader, BufferHalf, LoadReport, Manifest
 from tandem.param_sync.bucket import dtype_from_name
 from tandem.param_sync.transports.shm import segment_half
 
-__all__ = ["VllmEndpoint", "VllmShmTransport", "WeightProbe", "probe_sequence"]
-
-
-def probe_sequence(vocab_size: int, length: int = 32, seed: int = 0) -> list[int]:
-    """A fixed sequence of token ids, the same on every call: random ids make every row of the
-    output projection matter, so a stale or misplaced weight shows in their log-probs."""
-    return np.random.default_rng(seed).integers(0, vocab_size, size=length).tolist()
+__all__ = ["VllmEndpoint", "VllmShmTransport", "WeightProbe"]
 
 
 class WeightProbe:
-    """Scores :func:`probe_sequence` under the weights of a transfer (the reference) and in vLLM.
+    """Scores the probe sequence (``engines.shared.probe``) under the weights of a transfer (the reference) and in vLLM.
 
     The reference is the transformers model of the checkpoint, run with the transfer's tensors
     in place of its own (``torch.func.functional_call`` over views of the buffer half: no copy).
@@ -65,17 +60,13 @@ class WeightProbe:
             meta.name: flat[meta.offset : meta.offset + meta.nbytes].view(dtype_from_name(meta.dtype)).view(meta.shape)
             for meta in manifest.tensors
         }
-        ids = torch.tensor([self.token_ids])
-        with torch.no_grad():
-            logits = torch.func.functional_call(self._model, weights, args=(ids,), strict=False).logits[0, :-1]
-        logprobs = torch.log_softmax(logits.float(), dim=-1)
-        return logprobs.gather(1, ids[0, 1:, None]).squeeze(1).tolist()
+        return probe_logprobs(self._model, self.token_ids, weights)
 
     def check(self, endpoint: VllmEndpoint, expected: Sequence[float], version: int) -> tuple[float, str]:
         """Score the probe in ``endpoint``; its largest gap to ``expected`` (:meth:`reference`), and
         an error message if that is above the bound, else ''."""
         served = endpoint.score(self.token_ids)
-        gap = max(abs(a - b) for a, b in zip(served, expected, strict=True))
+        gap = probe_gap(served, expected)
         if gap > self.max_gap:
             return gap, (
                 f"weight probe: vLLM's log-probs at version {version} differ from the trainer's weights' "

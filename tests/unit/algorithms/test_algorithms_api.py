@@ -27,8 +27,8 @@ from tandem.algorithms import (
 )
 
 MODULES = [
-    tandem.algorithms, advantages, batch, corrections, distill, flow_grpo, gae, kl, losses, metrics, mini_batches, objective, prox,
-    shaping,
+    tandem.algorithms, advantages, batch, corrections, distill, flow_grpo, gae, kl, losses, metrics, mini_batches,
+    objective, prox, shaping,
 ]  # fmt: skip
 
 

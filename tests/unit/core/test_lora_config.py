@@ -1,0 +1,55 @@
+"""``engines.lora``: refused, naming the fields, wherever adapters were not built; documented defaults."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tandem.core.config import ConfigError, LoraConfig, load_config, validate_config
+
+TORCH: dict[str, Any] = {
+    "task": {"name": "arithmetic"},
+    "flow": {"stages": ["dataloader", "generate", "rollout", "logp", "reward", "train"]},
+    "engines": {"type": "torch", "lora": {}},
+}
+
+
+def config(**engines: Any) -> Any:
+    data: dict[str, Any] = {**TORCH, "engines": {**TORCH["engines"], **engines.pop("engines", {})}, **engines}
+    return validate_config(data)
+
+
+def test_the_defaults_train_rank_8_at_the_engines_lr_with_the_probe_on() -> None:
+    lora = config().engines.lora
+    assert (lora.rank, lora.alpha, lora.dropout, lora.target_modules, lora.lr) == (8, 16.0, 0.0, None, None)
+    assert lora.max_gap("float32") == 1e-3 and lora.max_gap("bfloat16") == 0.25  # the vLLM probe's defaults
+    assert LoraConfig(probe_max_gap=1e-5).max_gap("float32") == 1e-5
+
+
+@pytest.mark.parametrize(
+    ("sections", "message"),
+    [
+        ({"engines": {"rollout": "vllm"}}, r"engines.lora with engines.rollout=vllm: .*embedded"),
+        ({"engines": {"rollout": "server"}}, r"engines.lora with engines.rollout=server"),
+        ({"engines": {"data_parallel": "fsdp2"}}, r"engines.lora with .*engines.data_parallel=fsdp2"),
+        ({"engines": {"train": "megatron"}}, r"engines.lora with engines.train=megatron"),
+        ({"engines": {"train_world_size": 2}}, r"engines.lora with .*engines.train_world_size=2"),
+        ({"cluster": {"backend": "ray"}}, r"engines.lora with cluster.backend=ray"),
+        ({"engines": {"lora": {"target_modules": []}}}, r"engines.lora.target_modules: give at least one"),
+        ({"engines": {"lora": {"rank": 0}}}, r"lora.rank: Input should be greater than or equal to 1"),
+        ({"engines": {"lora": {"dropout": 1.0}}}, r"lora.dropout: Input should be less than 1"),
+    ],
+)
+def test_what_adapters_do_not_support_is_refused_naming_the_fields(sections: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        config(**sections)
+
+
+def test_the_image_workload_refuses_an_adapter_naming_the_field() -> None:
+    from tandem.engines.diffusion.build import check_image_config
+
+    cfg = load_config("flow_grpo_digits")
+    cfg = cfg.model_copy(update={"engines": cfg.engines.model_copy(update={"lora": LoraConfig()})})
+    with pytest.raises(ConfigError, match="engines.lora: adapters train on the text workloads only"):
+        check_image_config(cfg)
