@@ -91,9 +91,11 @@ def wait_until_dead(handle: Any, timeout_s: float = 30.0) -> None:
     raise AssertionError(f"actor {handle} still answers {timeout_s} s after it was killed")
 
 
-# `make test` runs the suite in two pytest-xdist workers (`--dist loadgroup`). A heavy instance
-# shared per session (one Ray cluster, one vLLM engine) must then be shared per *suite*: every test
-# that uses one runs in the same worker, named by its group. Tests that start vLLM processes of
+# `make test` runs the suite in two pytest-xdist workers (`--dist loadgroup`), one module at a time
+# per worker: a module's tests share module-scoped fixtures (trainer groups of rank processes, a
+# model) that would otherwise be built once in each worker. A heavy instance shared per session
+# (one Ray cluster, one vLLM engine) must be shared per *suite*: every test that uses one runs in
+# the same worker, whatever its module, in the group named here. Tests that start vLLM processes of
 # their own are marked `xdist_group("vllm")` in their modules: they count the machine's vLLM
 # processes, so no other vLLM may start beside them.
 SHARED_INSTANCE_GROUPS = {"ray_cluster": "ray", "vllm_engine": "vllm"}
@@ -105,6 +107,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         for fixture, group in SHARED_INSTANCE_GROUPS.items():
             if fixture in getattr(item, "fixturenames", ()):
                 item.add_marker(pytest.mark.xdist_group(group))
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
 
 
 @pytest.fixture(scope="session")
