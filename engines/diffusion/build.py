@@ -24,9 +24,8 @@ from tandem.engines.diffusion.model import MODEL_INDEX
 from tandem.engines.diffusion.rollout import DiffusionRolloutEngine
 from tandem.engines.diffusion.train import DiffusionTrainEngine
 from tandem.engines.diffusion.workflow import ImageWorkflow
-from tandem.engines.shared.weight_sync import TorchWeightSync, TrainerSyncSource
+from tandem.engines.shared.weight_sync import TorchWeightSync
 from tandem.engines.text.build import TORCH_DTYPES, thread_budgets
-from tandem.param_sync import InProcessTransport, ParamSyncer, Receiver
 
 __all__ = [
     "build_image_components",
@@ -125,10 +124,10 @@ def build_image_components(config: TandemConfig, setup: TaskSetup) -> Components
     except BaseException:
         rollout.close()
         raise
-    source = TrainerSyncSource(trainer)
     ps = config.param_sync
-    transport = InProcessTransport([Receiver(rollout.target, consume_bucket_mb=ps.consume_bucket_mb)])
-    weight_sync = TorchWeightSync(source, ParamSyncer(source, transport, produce_bucket_mb=ps.produce_bucket_mb))
+    weight_sync = TorchWeightSync.in_process(
+        trainer, rollout, produce_bucket_mb=ps.produce_bucket_mb, consume_bucket_mb=ps.consume_bucket_mb
+    )
     # The sync first: a sync in flight finishes against live engines before they stop.
     return Components(
         prompts=setup.items,

@@ -44,8 +44,8 @@ from tandem.engines.server.launcher import ServerFleet, ServerSpec, sglang_comma
 from tandem.engines.server.options import ADMIN_KEY_ENV, API_KEY_ENV
 from tandem.engines.server.router import ServerRolloutEngine
 from tandem.engines.server.weights import DiskTransport, HttpDistTransport, HttpShmTransport, ServerWeightSync, free_port
-from tandem.engines.shared.weight_sync import TorchWeightSync, TrainerSyncSource
-from tandem.param_sync import ParamSyncer, Transport
+from tandem.engines.shared.weight_sync import TorchWeightSync
+from tandem.param_sync import Transport
 
 __all__ = ["ServerKind", "build_server_components", "server_fleet", "server_keys"]
 
@@ -201,9 +201,7 @@ def build_server_components(config: TandemConfig, setup: TaskSetup, kind: Server
             )
         else:
             transport = DiskTransport(router.receivers, weights_dir, timeout_s=servers.request_timeout_s, keys=keys)
-        source = TrainerSyncSource(engine)
-        ps = config.param_sync
-        inner = TorchWeightSync(source, ParamSyncer(source, transport, produce_bucket_mb=ps.produce_bucket_mb))
+        inner = TorchWeightSync.through(engine, transport, produce_bucket_mb=config.param_sync.produce_bucket_mb)
         weight_sync = ServerWeightSync(kind.wrap_sync(inner) if kind is not None else inner, router)
         router.resync = weight_sync.reload
         if fleet is not None:

@@ -31,18 +31,8 @@ import numpy as np
 import torch
 
 from tandem.core.protocols import SyncReport
-from tandem.engines.shared.weight_sync import LoadsWeights, SyncedTrainer, TorchWeightSync, TrainerSyncSource
-from tandem.param_sync import (
-    BucketHeader,
-    BufferHalf,
-    InProcessTransport,
-    LoadReport,
-    Manifest,
-    ParamSyncer,
-    Receiver,
-    SyncError,
-    Transport,
-)
+from tandem.engines.shared.weight_sync import LoadsWeights, SyncedTrainer, TorchWeightSync, in_process_transport
+from tandem.param_sync import BucketHeader, BufferHalf, LoadReport, Manifest, SyncError, Transport
 
 __all__ = [
     "ProbeRecord",
@@ -183,8 +173,7 @@ def probed_in_process(
 ) -> ProbedWeightSync:  # fmt: skip
     """``TorchWeightSync.in_process`` with every load probed against the trainer's ``record``:
     a gap above ``max_gap`` fails the sync, saying ``what`` did not land."""
-    source = TrainerSyncSource(trainer)
-    receiver = Receiver(rollout.target, consume_bucket_mb=consume_bucket_mb)
-    transport = ProbedTransport(InProcessTransport([receiver]), record, rollout.probe_logprobs, max_gap=max_gap, what=what)
-    syncer = ParamSyncer(source, transport, produce_bucket_mb=produce_bucket_mb)
-    return ProbedWeightSync(TorchWeightSync(source, syncer), transport)
+    transport = ProbedTransport(
+        in_process_transport(rollout, consume_bucket_mb), record, rollout.probe_logprobs, max_gap=max_gap, what=what
+    )
+    return ProbedWeightSync(TorchWeightSync.through(trainer, transport, produce_bucket_mb=produce_bucket_mb), transport)

@@ -31,9 +31,16 @@ from typing import Protocol
 import torch
 
 from tandem.core.protocols import SyncReport
-from tandem.param_sync import GatherError, InProcessTransport, ModuleTarget, ParamSyncer, Receiver
+from tandem.param_sync import GatherError, InProcessTransport, ModuleTarget, ParamSyncer, Receiver, Transport
 
-__all__ = ["LoadsWeights", "SyncedTrainer", "TorchWeightSync", "TrainerMovedOnError", "TrainerSyncSource"]
+__all__ = [
+    "LoadsWeights",
+    "SyncedTrainer",
+    "TorchWeightSync",
+    "TrainerMovedOnError",
+    "TrainerSyncSource",
+    "in_process_transport",
+]
 
 
 class SyncedTrainer(Protocol):
@@ -100,6 +107,12 @@ class TorchWeightSync:
         self._thread.start()
 
     @classmethod
+    def through(cls, trainer: SyncedTrainer, transport: Transport, *, produce_bucket_mb: float) -> TorchWeightSync:
+        """The trainer's weights gathered into its dual buffer and sent through ``transport``."""
+        source = TrainerSyncSource(trainer)
+        return cls(source, ParamSyncer(source, transport, produce_bucket_mb=produce_bucket_mb))
+
+    @classmethod
     def in_process(
         cls,
         trainer: SyncedTrainer,
@@ -110,10 +123,7 @@ class TorchWeightSync:
     ) -> TorchWeightSync:
         """Trainer and rollout engine in this process: the rollout reads the trainer's buffer (in
         ``swap`` mode it serves straight from it)."""
-        source = TrainerSyncSource(trainer)
-        receiver = Receiver(rollout.target, consume_bucket_mb=consume_bucket_mb)
-        transport = InProcessTransport([receiver])
-        return cls(source, ParamSyncer(source, transport, produce_bucket_mb=produce_bucket_mb))
+        return cls.through(trainer, in_process_transport(rollout, consume_bucket_mb), produce_bucket_mb=produce_bucket_mb)
 
     async def sync(self, version: int) -> SyncReport:
         """Load the trainer's current version (at least ``version``) into the rollout engines.
@@ -157,3 +167,8 @@ class TorchWeightSync:
                     retries += 1
                     continue
                 return SyncReport(version, {**metrics, "gather_retries": float(retries)})
+
+
+def in_process_transport(rollout: LoadsWeights, consume_bucket_mb: float) -> InProcessTransport:
+    """A transport that loads straight into ``rollout``'s target, in this process."""
+    return InProcessTransport([Receiver(rollout.target, consume_bucket_mb=consume_bucket_mb)])

@@ -19,12 +19,11 @@ from tandem.core.components import Components, TaskSetup
 from tandem.core.config import TandemConfig, TorchEnginesConfig
 from tandem.engines.server.router import ServerRolloutEngine
 from tandem.engines.shared.probe import ProbedWeightSync
-from tandem.engines.shared.weight_sync import SyncedTrainer, TorchWeightSync, TrainerSyncSource
+from tandem.engines.shared.weight_sync import SyncedTrainer, TorchWeightSync
 from tandem.engines.text.build import TORCH_DTYPES, resolve_model_path
 from tandem.engines.vllm.engine import VllmRolloutEngine, VllmSettings, eos_token_ids
 from tandem.engines.vllm.server import VllmHttpEndpoint, VllmServerClient, vllm_command, vllm_key_env, vllm_server_env
 from tandem.engines.vllm.sync import VllmShmTransport, WeightProbe
-from tandem.param_sync import ParamSyncer
 
 __all__ = ["build_vllm_server_components", "generation_cpus", "vllm_rollout"]
 
@@ -48,10 +47,9 @@ def vllm_rollout(config: TandemConfig, trainer: SyncedTrainer, threads: int) -> 
     )  # fmt: skip
     try:
         probe = WeightProbe(model_path, max_gap=spec.vllm.max_gap(spec.dtype), dtype=TORCH_DTYPES[spec.dtype])
-        source = TrainerSyncSource(trainer)
         transport = VllmShmTransport(lambda: [engine], probe)
-        syncer = ParamSyncer(source, transport, produce_bucket_mb=config.param_sync.produce_bucket_mb)
-        return engine, ProbedWeightSync(TorchWeightSync(source, syncer), probe)
+        sync = TorchWeightSync.through(trainer, transport, produce_bucket_mb=config.param_sync.produce_bucket_mb)
+        return engine, ProbedWeightSync(sync, probe)
     except BaseException:
         engine.close()
         raise
