@@ -1,0 +1,1 @@
+"""The parts of ``benchmarks/gpu_check.py``: one module per workload, each ``run(scale) -> dict``."""
