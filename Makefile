@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 CONFIG ?= configs/default.yaml
 
-.PHONY: install run test test-fast bench docs clean
+.PHONY: install run test test-fast bench docs gpu-wheels clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -41,6 +41,18 @@ docs: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/overlap.py
 	$(PY) benchmarks/engine_overhead.py
+
+# The wheels the GPU check needs on a GPU host that has torch, transformers, peft and accelerate
+# but no network (benchmarks/gpu_host.sh installs them there): tandem's own dependencies, the
+# image workload's diffusers, megatron-core, and the test plugins. Pinned to what is tested here.
+GPU_WHEELS := pydantic==2.14.4 pydantic_core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 \
+	typing_extensions==4.16.0 structlog==26.1.0 tenacity==9.2.1 diffusers==0.42.1 importlib_metadata==10.2.0 \
+	zipp==4.1.2 megatron-core==0.16.1 pytest==9.1.1 pytest-asyncio==1.5.0 looptime==0.9
+
+gpu-wheels:
+	$(PYTHON) -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+		-d .whl $(GPU_WHEELS)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

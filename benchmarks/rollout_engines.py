@@ -133,15 +133,17 @@ def round_prompts(round_index: int, batch: int, length: int, vocab_size: int) ->
 
 
 @contextmanager
-def hf_generate(path: Path, batch: int, new_tokens: int, threads: int) -> Iterator[Sampler]:
+def hf_generate(
+    path: Path, batch: int, new_tokens: int, threads: int, *, device: str = "cpu", dtype: torch.dtype = torch.float32
+) -> Iterator[Sampler]:
     """transformers' ``model.generate`` on the whole batch at once (equal-length prompts: no padding)."""
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(threads)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
 
     def sample(prompts: list[list[int]], round_index: int) -> int:
-        input_ids = torch.tensor(prompts)
+        input_ids = torch.tensor(prompts, device=device)
         torch.manual_seed(round_index)
         with torch.no_grad():
             out = model.generate(
@@ -167,11 +169,13 @@ def _async_sampler(engine: Any, new_tokens: int) -> Sampler:
 
 
 @contextmanager
-def embedded(path: Path, batch: int, new_tokens: int, threads: int) -> Iterator[Sampler]:
+def embedded(
+    path: Path, batch: int, new_tokens: int, threads: int, *, device: str = "cpu", dtype: torch.dtype = torch.float32
+) -> Iterator[Sampler]:
     """tandem's embedded engine (``engines.text.rollout``): its decode thread, ``threads`` cores."""
     from tandem.engines.text.rollout import HFRolloutEngine
 
-    engine = HFRolloutEngine(str(path), max_batch_size=batch, num_threads=threads)
+    engine = HFRolloutEngine(str(path), max_batch_size=batch, num_threads=threads, device=device, dtype=dtype)
     try:
         yield _async_sampler(engine, new_tokens)
     finally:
@@ -215,7 +219,8 @@ def measure(
             tokens = sample(prompts, round_index)
             seconds = time.perf_counter() - t0
             if tokens != expected:
-                raise RuntimeError(f"{engine.__name__} generated {tokens} tokens, not {expected}: the work differs")
+                name = getattr(engine, "__name__", getattr(getattr(engine, "func", None), "__name__", "engine"))
+                raise RuntimeError(f"{name} generated {tokens} tokens, not {expected}: the work differs")
             if round_index:
                 rates.append(tokens / seconds)
     return {
