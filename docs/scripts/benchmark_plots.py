@@ -83,20 +83,24 @@ def _flow_grpo(ax: Axes) -> None:
 
 
 def _learning_quality(ax: Axes) -> None:
-    rows = _load("learning_quality")["rows"]
-    variants: dict[str, list[dict[str, Any]]] = {}
-    for r in rows:
-        name = f"{r['loss']}, {r['correction']}, prox {r['proximal']}{', dyn. sampling' if r['dynamic_sampling'] else ''}"
-        variants.setdefault(name, []).append(r)
-    for i, (name, rs) in enumerate(variants.items()):
-        ks = [r["k"] + (i - 2) * 0.06 for r in rs]
-        ax.errorbar(ks, [r["heldout_accuracy"] for r in rs], yerr=[r["heldout_ci95"] for r in rs], marker="o",
-                    capsize=3, label=name)
-    ax.set_xlabel("staleness bound k")
-    ax.set_ylabel("held-out accuracy (95 % interval over seeds)")
-    ax.legend(fontsize=7)
-    ax.grid(alpha=0.3)
-    ax.set_title("Held-out accuracy after 40 steps at each k, 3 seeds")
+    """Each row's held-out accuracy minus the baseline's, paired by seed, with its 95 % interval."""
+    doc = _load("learning_quality")
+    rows = [r for r in doc["rows"] if r["row"] != doc["baseline"]]
+    ys = range(len(rows))
+    ax.errorbar(
+        [r["heldout_delta_vs_baseline"] for r in rows],
+        ys,
+        xerr=[r["heldout_delta_vs_baseline_ci95"] for r in rows],
+        fmt="o",
+        capsize=3,
+    )
+    ax.axvline(0, color="grey", linestyle="--", linewidth=1)
+    ax.set_yticks(ys, [r["row"] for r in rows], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel(f"held-out accuracy minus {doc['baseline']}'s, paired by seed (95 % interval)")
+    ax.grid(axis="x", alpha=0.3)
+    settings = doc["settings"]
+    ax.set_title(f"Learning quality: {settings['samples']} samples per run, {len(settings['seeds'])} seeds")
 
 
 def _param_sync(ax: Axes) -> None:
@@ -105,7 +109,8 @@ def _param_sync(ax: Axes) -> None:
     series: dict[str, dict[str, list[float]]] = {}
     for r in rows:
         series.setdefault(f"{r['transport']} ({r['rollout']})", {})[f"{r['size_mb']} MiB"] = [
-            100 * f for f in r["fraction_of_best_memcpy_runs"]]
+            100 * f for f in r["fraction_of_best_memcpy_runs"]
+        ]
     _grouped_bars(ax, [f"{s} MiB" for s in sizes], series, "% of memcpy (dots: each run)")
     ax.axhline(50, color="grey", linestyle="--", linewidth=1)
     ax.set_title("Weight sync throughput against memcpy of the same size (2-core CPU)")
@@ -131,9 +136,12 @@ def _overlap(ax: Axes) -> None:
 
 def _engine_overhead(ax: Axes) -> None:
     spread = _load("engine_overhead")["spread"]
-    _grouped_bars(ax, ["micro-batch 1", "micro-batch 32"],
-                  {"samples/s": {"micro-batch 1": spread["batch1"]["all"], "micro-batch 32": spread["batch32"]["all"]}},
-                  "samples/s through the flow (dots: each run)")
+    _grouped_bars(
+        ax,
+        ["micro-batch 1", "micro-batch 32"],
+        {"samples/s": {"micro-batch 1": spread["batch1"]["all"], "micro-batch 32": spread["batch32"]["all"]}},
+        "samples/s through the flow (dots: each run)",
+    )
     ax.axhline(50_000, color="grey", linestyle="--", linewidth=1)
     ax.set_title("The flow's own cost: zero-cost stages, all eight roles, one core")
 
