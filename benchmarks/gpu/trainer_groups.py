@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import math
 import random
 import statistics
 from pathlib import Path
@@ -59,17 +60,20 @@ def config_for(scale: Scale, folder: Path, row: str) -> TandemConfig:
 
 
 def batch(scale: Scale, vocab_size: int) -> list[Trajectory]:
-    """Random sequences of equal length, advantages +1/-1 by sample (groups of four)."""
+    """Random sequences of equal length, advantages +1/-1 by sample (groups of four), behaviour
+    log-probs those of a uniform policy (about what a random model gives): importance ratios near
+    one, so the losses are of the size a run sees."""
     rng = random.Random(0)
     sequences, prompt_len, response_len = (
         (TINY_SEQUENCES, TINY_PROMPT_TOKENS, TINY_RESPONSE_TOKENS) if scale.tiny
         else (SEQUENCES, PROMPT_TOKENS, RESPONSE_TOKENS)
     )  # fmt: skip
+    uniform = -math.log(vocab_size)
     out = []
     for i in range(sequences):
         prompt = [rng.randrange(4, vocab_size) for _ in range(prompt_len)]
         response = [rng.randrange(4, vocab_size) for _ in range(response_len)]
-        trajectory = token_trajectory(i // 4, i % 4, prompt, response, [-1.0] * response_len, [0] * response_len,
+        trajectory = token_trajectory(i // 4, i % 4, prompt, response, [uniform] * response_len, [0] * response_len,
                                       FinishReason.LENGTH)  # fmt: skip
         trajectory.advantage = 1.0 if i % 2 == 0 else -1.0
         out.append(trajectory)
