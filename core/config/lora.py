@@ -1,8 +1,9 @@
 """The LoRA section (``engines.lora``) and the rules it imposes on the rest of the config.
 
-With it the torch engines train a peft LoRA adapter on the frozen base model instead of every
-weight: only the adapter's tensors train, sit in the optimizer, travel to the rollout engine
-and fill the checkpoints. What is refused here is what was not built for adapters (trainer
+With it the torch engines train a peft LoRA adapter on the frozen base model (the causal LM of a
+text workload, the transformer of the image workload's generator) instead of every weight: only
+the adapter's tensors train, sit in the optimizer, travel to the rollout engine and fill the
+checkpoints. What is refused here is what was not built for adapters (trainer
 groups, rollout engines other than the embedded one, Ray): each rule names the fields.
 """
 
@@ -41,20 +42,24 @@ class LoraConfig(Section):
     without it, so the log-probs the losses compare stay those of one policy."""
     target_modules: list[str] | None = None
     """Names (or name endings) of the linear layers that get an adapter, as peft matches them.
-    None: the architecture's attention and MLP projections (``engines.shared.lora``, e.g.
-    ``q_proj k_proj v_proj o_proj gate_proj up_proj down_proj`` for Llama/Qwen2). Every name
-    must match a layer of the model (checked before the run starts)."""
+    None: the architecture's defaults (``engines.shared.lora``): a causal LM's attention and MLP
+    projections (e.g. ``q_proj k_proj v_proj o_proj gate_proj up_proj down_proj`` for
+    Llama/Qwen2), the SD3 transformer's attention projections (``to_q to_k to_v to_out.0`` and the
+    prompt stream's ``add_q_proj add_k_proj add_v_proj to_add_out``). Every name must match a
+    layer of the model (checked before the run starts)."""
     lr: float | None = Field(None, gt=0)
     """AdamW learning rate of the adapter; None: ``engines.lr``. Adapters usually train at a
     larger rate than full fine-tuning (``configs/lora_arithmetic.yaml`` says what was measured)."""
     probe_max_gap: float | None = Field(None, gt=0)
-    """After every sync a fixed 32-token sequence is scored by the rollout engine and its
-    log-probs compared with the trainer's at the synced version: a larger gap (nats, any token)
-    fails the sync (the adapter did not land). None: 1e-3 in float32, 0.25 in bfloat16/float16."""
+    """After every sync a fixed probe is scored by the rollout engine and its log-probs compared
+    with the trainer's at the synced version: a larger gap (nats, any action) fails the sync (the
+    adapter did not land). The probe: a 32-token sequence (text), the per-step log-probs of a
+    4-step denoising trajectory (images). None: 1e-3 in float32, 0.25 in bfloat16/float16."""
     export_merged: bool = False
     """Also export merged weights (base + scaled adapter product) to ``checkpoint/merged``,
-    loadable with plain ``from_pretrained``; the adapter itself is always exported to
-    ``checkpoint`` in peft's format (``PeftModel.from_pretrained`` on the base)."""
+    loadable with plain ``from_pretrained`` (images: a whole generator folder); the adapter itself
+    is always exported to ``checkpoint``, in peft's format (``PeftModel.from_pretrained`` on the
+    base) or, for images, as diffusers' LoRA file (a pipeline's ``load_lora_weights``)."""
 
     @field_validator("target_modules")
     @classmethod

@@ -47,6 +47,7 @@ __all__ = [
     "Conditioning",
     "FlowMatchingGenerator",
     "PromptEncoder",
+    "component_class",
     "guided_velocity",
     "load_component",
     "load_generator",
@@ -133,9 +134,14 @@ def read_model_index(folder: Path) -> dict[str, tuple[str, str]]:
     return index
 
 
+def component_class(library: str, class_name: str) -> Any:
+    """The class a ``model_index.json`` entry ``[library, class_name]`` names."""
+    return getattr(importlib.import_module(library), class_name)
+
+
 def load_component(folder: Path, name: str, library: str, class_name: str, dtype: torch.dtype | None = None) -> Any:
     """``library.class_name.from_pretrained(folder / name)``; diffusers models in ``dtype``."""
-    cls = getattr(importlib.import_module(library), class_name)
+    cls = component_class(library, class_name)
     if isinstance(cls, type) and issubclass(cls, ModelMixin):
         # low_cpu_mem_usage=False: the default wants `accelerate`, pointless for the small models loaded here.
         return cls.from_pretrained(folder / name, torch_dtype=dtype, low_cpu_mem_usage=False)

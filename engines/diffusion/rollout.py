@@ -28,13 +28,17 @@ Invariants:
   every step runs inside the target's step gate; each step is stamped with the version that
   computed it, so a sync landing mid-image shows in the trajectory's ``versions`` (and its
   ``version_span`` metric). No state other than the latents is carried across steps, so
-  nothing computed by old weights outlives an update.
+  nothing computed by old weights outlives an update;
+- with a LoRA adapter (``lora``) peft's layers are injected into the transformer and the target
+  holds the adapter's tensors only (unmerged, under the trainer's names): an update replaces the
+  whole adapter, the base is never written, and until the commit the previous adapter serves.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -43,8 +47,13 @@ from tandem.algorithms.flow_grpo import ode_step, sde_transition, transition_log
 from tandem.core.records import FinishReason, Trajectory
 from tandem.engines.diffusion.model import Conditioning, FlowMatchingGenerator, guided_velocity, load_generator
 from tandem.engines.diffusion.payload import ImagePayload
+from tandem.engines.diffusion.probe import DenoisingProbe, probe_logprobs
 from tandem.engines.shared.batching import Call, ContinuousBatcher, EngineClosedError
+from tandem.engines.shared.lora import adapter_tensors, with_diffusers_adapter
 from tandem.param_sync import LoadMode, ModuleTarget
+
+if TYPE_CHECKING:
+    import peft
 
 __all__ = ["DenoiseRequest", "DiffusionRolloutEngine", "EngineClosedError"]
 
@@ -100,7 +109,8 @@ class DiffusionRolloutEngine(ContinuousBatcher[DenoiseRequest, _Row, list[_Row]]
     ``generate(requests)`` streams one image :class:`~core.records.Trajectory` per request
     (payload :class:`~engines.diffusion.payload.ImagePayload`) as each finishes. New weights
     reach it through ``target`` (a :class:`~param_sync.ModuleTarget` over the transformer, in
-    ``load_mode``), fed by a param_sync :class:`~param_sync.Receiver`.
+    ``load_mode``), fed by a param_sync :class:`~param_sync.Receiver`; with ``lora``, a peft
+    adapter's tensors only.
     """
 
     def __init__(
@@ -115,6 +125,7 @@ class DiffusionRolloutEngine(ContinuousBatcher[DenoiseRequest, _Row, list[_Row]]
         num_threads: int = 1,
         load_mode: LoadMode = "swap",
         start_version: int = 0,
+        lora: peft.LoraConfig | None = None,
     ) -> None:
         if noise_level <= 0:
             raise ValueError(f"noise_level must be > 0 (SDE steps need noise), got {noise_level}")
@@ -122,9 +133,13 @@ class DiffusionRolloutEngine(ContinuousBatcher[DenoiseRequest, _Row, list[_Row]]
         self.noise_level = noise_level
         self.guidance_scale = guidance_scale
         self._generator = load_generator(model_path, device=device, dtype=dtype)
+        transformer = self._generator.transformer
+        if lora is not None:
+            with_diffusers_adapter(transformer, lora).requires_grad_(False)
         self._uncond = self._generator.encode([""]) if guidance_scale != 1.0 else None
         self._sigmas: dict[int, list[float]] = {}  # schedule per number of steps (decode thread only)
-        self.target = ModuleTarget(self._generator.transformer, load_mode=load_mode, version=start_version)
+        weights = None if lora is None else adapter_tensors(transformer)
+        self.target = ModuleTarget(transformer, load_mode=load_mode, version=start_version, weights=weights)
         self._serving = start_version  # decode thread only: the version its last step computed with
         self._start("diffusion-rollout")
 
@@ -139,6 +154,13 @@ class DiffusionRolloutEngine(ContinuousBatcher[DenoiseRequest, _Row, list[_Row]]
     def generator(self) -> FlowMatchingGenerator:
         """The served generator, for inspection; change weights only through ``target``."""
         return self._generator
+
+    def probe_logprobs(self, probe: DenoisingProbe) -> list[float]:
+        """Log-probs of the probe's steps under the weights serving now (the sync's probe,
+        ``engines.diffusion.probe``), computed on the caller's thread inside the step gate, so no
+        update lands midway. Blocking; not from an event loop."""
+        with self.target.decode_step():
+            return probe_logprobs(self._generator, probe)
 
     # ----------------------------------------------------------------------- the batching loop's hooks
 

@@ -2,8 +2,9 @@
 
 What it owns: the trained transformer of a flow-matching generator (``engines.diffusion.model``),
 its AdamW optimizer and LR schedule, optionally a frozen copy of the initial transformer (the
-KL reference), and one dedicated worker thread with its own CPU thread budget. Every method
-that touches the models runs on that thread; ``async`` methods await its future.
+KL reference), the probe's record (``engines.diffusion.probe``) when its syncs are probed, and
+one dedicated worker thread with its own CPU thread budget. Every method that touches the
+models runs on that thread; ``async`` methods await its future.
 
 Each denoising step of an image trajectory is an action. Scoring a step ``i`` of a trajectory
 recomputes the guided velocity at ``(latents[i], sigmas[i])`` under the current weights, the
@@ -30,7 +31,12 @@ Invariants:
 - the weights and ``version`` change together, only under the weights lock (held from a train
   step's first optimizer step until its version is published, and by a restore), so
   ``weights_for_sync`` (held by the param-sync gather, ``engines.shared.weight_sync``) sees one
-  whole version and knows which.
+  whole version and knows which; with a probe record, the probe's log-probs at the new version
+  are recorded under that lock too;
+- with a LoRA adapter (``lora``: peft's layers injected by diffusers, ``engines.shared.lora``)
+  only the adapter trains: it alone requires grad, sits in the optimizer, is synced, and fills
+  the checkpoints (under peft's names); the KL reference is the same transformer with the
+  adapter disabled (no second copy of the base); the export is diffusers' LoRA file.
 """
 
 from __future__ import annotations
@@ -43,7 +49,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import torch
@@ -55,10 +61,21 @@ from tandem.core.protocols import LossObjective
 from tandem.core.records import Trajectory
 from tandem.engines.diffusion.model import MODEL_INDEX, guided_velocity, load_generator
 from tandem.engines.diffusion.payload import ImagePayload, image_payload
+from tandem.engines.diffusion.probe import DenoisingProbe, denoising_probe, probe_logprobs
+from tandem.engines.shared.lora import (
+    TrainedWeights,
+    adapter_dropout,
+    merged_transformer,
+    save_diffusers_adapter,
+    with_diffusers_adapter,
+)
+from tandem.engines.shared.probe import ProbeRecord
 from tandem.engines.shared.threads import ClosesOnAThread, budgeted_executor
 from tandem.engines.trainers.optimizer_steps import InProcessSteps, step_parts
 from tandem.engines.trainers.state import TRAINER_STATE_FILE, load_trainer_state, restore_trainer_state, save_trainer_state
-from tandem.param_sync import unique_weights
+
+if TYPE_CHECKING:
+    import peft
 
 __all__ = ["TRAINER_STATE_FILE", "DiffusionTrainEngine"]
 
@@ -87,8 +104,10 @@ class _Scored:
 class DiffusionTrainEngine(ClosesOnAThread):
     """The trained transformer of a flow-matching generator; implements ``core.protocols.TrainEngine``.
 
-    ``kl_reference=True`` keeps a frozen copy of the initial transformer and fills
-    ``LossInputs.kl`` with the exact per-step KL to it.
+    ``kl_reference=True`` fills ``LossInputs.kl`` with the exact per-step KL to the initial
+    transformer: a frozen copy of it, or with ``lora`` (a peft LoRA adapter trained on the frozen
+    base instead of every weight) the base itself, adapter disabled. ``probe``: record the probe's
+    log-probs at every version in :attr:`probe` (the sync's proof of arrival, ``engines.shared.probe``).
     """
 
     def __init__(
@@ -105,6 +124,8 @@ class DiffusionTrainEngine(ClosesOnAThread):
         num_threads: int = 1,
         kl_reference: bool = False,
         start_version: int = 0,
+        lora: peft.LoraConfig | None = None,
+        probe: bool = False,
     ) -> None:
         if max_pairs_per_micro_batch < 1:
             raise ValueError(f"max_pairs_per_micro_batch must be >= 1, got {max_pairs_per_micro_batch}")
@@ -115,19 +136,27 @@ class DiffusionTrainEngine(ClosesOnAThread):
         self.model_path = Path(model_path)
         self._generator = load_generator(model_path, device=device, dtype=dtype, with_vae=False)
         self._device = self._generator.device
-        self._model = self._generator.transformer.requires_grad_(True)
-        self._reference = copy.deepcopy(self._model).requires_grad_(False) if kl_reference else None
+        transformer = self._generator.transformer
+        self._lora = lora
+        self._model = transformer.requires_grad_(True) if lora is None else with_diffusers_adapter(transformer, lora)
+        self._weights = TrainedWeights(self._model, adapted=lora is not None)
+        self._kl_reference = kl_reference
+        copied = kl_reference and lora is None  # an adapter's reference is its base: no copy
+        self._reference = copy.deepcopy(self._model).requires_grad_(False) if copied else None
         self._uncond = self._generator.encode([""])
         self._max_pairs = max_pairs_per_micro_batch
         self._version = start_version
         # Held while the weights change (optimizer step, restore) and by a sync reading them
         # from another thread (``weights_for_sync``): that reader never sees a torn step.
         self._weights_lock = threading.Lock()
-        self._optimizer = torch.optim.AdamW(self._model.parameters(), lr=lr, weight_decay=weight_decay)
+        trained = [p for p in self._model.parameters() if p.requires_grad]  # all of them without an adapter
+        self._optimizer = torch.optim.AdamW(trained, lr=lr, weight_decay=weight_decay)
         self._scheduler = torch.optim.lr_scheduler.LambdaLR(
             self._optimizer, lambda step: 1.0 if warmup_steps == 0 else min(1.0, (step + 1) / warmup_steps)
         )
         self._steps = InProcessSteps(self._model, self._optimizer, self._scheduler, max_grad_norm)
+        self.probe: ProbeRecord[DenoisingProbe] | None = ProbeRecord(denoising_probe(self._generator)) if probe else None
+        self._record_probe()
         self._executor = budgeted_executor("diffusion-train", num_threads)
 
     # ----------------------------------------------------------------------------- public API
@@ -160,17 +189,18 @@ class DiffusionTrainEngine(ClosesOnAThread):
         return await self._on_worker(self._train_step, list(batch), objective, mini_batches)
 
     def named_tensors_for_sync(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(name, full tensor) per weight of the transformer, tied storage once; live and unguarded."""
-        yield from unique_weights(self._model).items()
+        """(name, full tensor) per weight of the transformer, tied storage once, or with an adapter
+        the adapter's tensors only (``engines.shared.lora.adapter_tensors``); live and unguarded."""
+        yield from self._weights.synced().items()
 
     @contextmanager
     def weights_for_sync(self) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
         """Hold the weights still and yield (their version, the live tensors by name); any thread."""
         with self._weights_lock:
-            yield self._version, unique_weights(self._model)
+            yield self._version, self._weights.synced()
 
     async def save_state(self, folder: Path) -> None:
-        """Write ``trainer.pt`` (transformer, optimizer, schedule, version, torch's CPU RNG) into ``folder``."""
+        """Write ``trainer.pt`` (transformer or adapter, optimizer, schedule, version, torch's CPU RNG) into ``folder``."""
         await self._on_worker(self._save, Path(folder) / TRAINER_STATE_FILE)
 
     async def load_state(self, folder: Path) -> None:
@@ -179,8 +209,17 @@ class DiffusionTrainEngine(ClosesOnAThread):
 
     async def export(self, folder: Path) -> None:
         """Write the current generator as a model folder the diffusion engines load: the trained
-        ``transformer/`` plus the source folder's other components and ``model_index.json``."""
+        ``transformer/`` plus the source folder's other components and ``model_index.json``; with
+        an adapter, the adapter alone as diffusers' LoRA file (``pytorch_lora_weights.safetensors``,
+        which ``load_lora_weights(folder)`` of a pipeline over the base loads)."""
         await self._on_worker(self._export, Path(folder))
+
+    async def export_merged(self, folder: Path) -> None:
+        """Write the generator with the adapter merged into its transformer as a model folder (as
+        :meth:`export` writes one without an adapter)."""
+        if self._lora is None:
+            raise ValueError("export_merged() needs an adapter: without one, export() writes the trained generator")
+        await self._on_worker(lambda: self._write_generator(Path(folder), merged_transformer(self._model)))
 
     def close(self) -> None:
         """Finish queued work and stop the worker thread."""
@@ -221,13 +260,23 @@ class DiffusionTrainEngine(ClosesOnAThread):
         mean, std = sde_transition(pairs.latents, velocity(self._model), pairs.sigma, pairs.sigma_next, noise_level)
         logprobs = transition_log_prob(pairs.drawn, mean, std)
         kl = None
-        if with_kl and self._reference is not None:
-            with torch.no_grad():
-                ref_mean, _ = sde_transition(
-                    pairs.latents, velocity(self._reference), pairs.sigma, pairs.sigma_next, noise_level
-                )
+        if with_kl and self._kl_reference:
+            with torch.no_grad(), self._reference_model() as reference:
+                ref_mean, _ = sde_transition(pairs.latents, velocity(reference), pairs.sigma, pairs.sigma_next, noise_level)
             kl = transition_kl(mean, ref_mean, std)
         return _Scored(logprobs, kl)
+
+    @contextmanager
+    def _reference_model(self) -> Iterator[torch.nn.Module]:
+        """The KL reference: the frozen initial transformer, or the base (the adapter disabled for the block)."""
+        if self._reference is not None:
+            yield self._reference
+            return
+        self._model.disable_adapters()  # type: ignore[operator]
+        try:
+            yield self._model
+        finally:
+            self._model.enable_adapters()  # type: ignore[operator]
 
     def _score_all(self, trajectories: list[Trajectory]) -> list[list[float]]:
         payloads = [image_payload(t) for t in trajectories]
@@ -266,7 +315,8 @@ class DiffusionTrainEngine(ClosesOnAThread):
         noise_level, guidance_scale = _sampling_settings([image_payload(batch[i]) for part in parts for i in part])
 
         def accumulate_step(part: list[int], progress: float) -> tuple[dict[str, float], int]:
-            return self._accumulate([batch[i] for i in part], objective, noise_level, guidance_scale, progress)
+            with adapter_dropout(self._model):  # a no-op without an adapter or its dropout
+                return self._accumulate([batch[i] for i in part], objective, noise_level, guidance_scale, progress)
 
         metrics = self._steps.train(
             parts, accumulate_step, weights_lock=self._weights_lock, version=self._version, publish=self._publish
@@ -277,6 +327,12 @@ class DiffusionTrainEngine(ClosesOnAThread):
     def _publish(self) -> None:
         """The train step's optimizer steps are taken: its weights are the next version (under the weights lock)."""
         self._version += 1
+        self._record_probe()
+
+    def _record_probe(self) -> None:
+        """The probe's log-probs at the current version (under the weights lock, or before any thread runs)."""
+        if self.probe is not None:
+            self.probe.record(self._version, probe_logprobs(self._generator, self.probe.inputs))
 
     def _accumulate(
         self, samples: list[Trajectory], objective: LossObjective, noise_level: float, guidance_scale: float, progress: float
@@ -316,16 +372,24 @@ class DiffusionTrainEngine(ClosesOnAThread):
         return sums, len(plan)
 
     def _save(self, path: Path) -> None:
-        save_trainer_state(path, self._model.state_dict(), self._optimizer, self._scheduler, self._version)
+        save_trainer_state(path, self._weights.state(), self._optimizer, self._scheduler, self._version)
 
     def _load(self, path: Path) -> None:
         state = load_trainer_state(path)
         with self._weights_lock:  # the weights and their version move together
-            self._version = restore_trainer_state(state, self._model, self._optimizer, self._scheduler)
+            self._version = restore_trainer_state(state, self._weights.load, self._optimizer, self._scheduler)
+            self._record_probe()
 
     def _export(self, folder: Path) -> None:
+        if self._lora is None:
+            self._write_generator(folder, self._model)
+        else:
+            save_diffusers_adapter(self._model, self._weights.synced(), folder)
+
+    def _write_generator(self, folder: Path, transformer: torch.nn.Module) -> None:
+        """``transformer`` with the source folder's other components and ``model_index.json``, as a model folder."""
         folder.mkdir(parents=True, exist_ok=True)
-        self._model.save_pretrained(folder / "transformer")  # type: ignore[operator]
+        transformer.save_pretrained(folder / "transformer")  # type: ignore[operator]
         for entry in self.model_path.iterdir():
             if entry.name != "transformer" and (entry.is_dir() or entry.name == MODEL_INDEX):
                 copy_entry = shutil.copytree if entry.is_dir() else shutil.copy2

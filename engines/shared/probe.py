@@ -6,11 +6,13 @@ that never reached the rollout engine all pass them; the last looked like stalen
 other metric for weeks in three peers' runs (verl #7495, ms-swift #9855, TRL #7017). Log-probs
 of one short sequence catch each in milliseconds.
 
-What it owns: the probe sequence and the one computation of its log-probs every side runs
-(:func:`probe_sequence`, :func:`probe_logprobs`, :func:`probe_gap`); for the embedded engine,
-the trainer's record of its log-probs per version (:class:`ProbeRecord`) and the transport
-wrapper that checks every committed load against it (:class:`ProbedTransport`); and the weight
-sync that reports each sync's gap as ``logprob_gap`` (:class:`ProbedWeightSync`, vLLM's too).
+What it owns: the text probe, a token sequence, and the one computation of its log-probs every
+side runs (:func:`probe_sequence`, :func:`probe_logprobs`, :func:`probe_gap`); for engines in
+this process, whatever their probe's input (a token sequence here, a denoising trajectory in
+``engines.diffusion.probe``), the trainer's record of its log-probs per version
+(:class:`ProbeRecord`) and the transport wrapper that checks every committed load against it
+(:class:`ProbedTransport`); and the weight sync that reports each sync's gap as ``logprob_gap``
+(:class:`ProbedWeightSync`, vLLM's too).
 
 Invariants:
 - the trainer records version ``v``'s log-probs under the lock that makes ``v`` (its weights
@@ -25,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar
 
 import numpy as np
 import torch
@@ -44,6 +46,9 @@ __all__ = [
     "probe_sequence",
     "probed_in_process",
 ]
+
+# What a probe scores: the same fixed input on both sides of a sync.
+ProbeInput = TypeVar("ProbeInput")
 
 
 def probe_sequence(vocab_size: int, length: int = 32, seed: int = 0) -> list[int]:
@@ -68,19 +73,20 @@ def probe_logprobs(
 
 
 def probe_gap(served: Sequence[float], expected: Sequence[float]) -> float:
-    """The largest gap (nats) between two scorings of the probe, token by token."""
+    """The largest gap (nats) between two scorings of the probe, action by action (token or denoising step)."""
     return max(abs(a - b) for a, b in zip(served, expected, strict=True))
 
 
-class ProbeRecord:
-    """The trainer's probe log-probs at each version it reached, kept until a sync asks for a
-    newer one. The trainer calls :meth:`record` under its weights lock each time its weights
-    change; the sync's check reads :meth:`expected` from another thread. What it holds is bounded
-    by the flow's staleness bound: the trainer runs at most ``k + 1`` versions ahead of the one
-    the rollout engine serves, and each sync drops the records older than its version."""
+class ProbeRecord(Generic[ProbeInput]):
+    """The probe's fixed ``inputs`` and the trainer's log-probs of them at each version it
+    reached, kept until a sync asks for a newer one. The trainer calls :meth:`record` under its
+    weights lock each time its weights change; the sync's check reads :meth:`expected` from
+    another thread. What it holds is bounded by the flow's staleness bound: the trainer runs at
+    most ``k + 1`` versions ahead of the one the rollout engine serves, and each sync drops the
+    records older than its version."""
 
-    def __init__(self, token_ids: Sequence[int]) -> None:
-        self.token_ids = list(token_ids)
+    def __init__(self, inputs: ProbeInput) -> None:
+        self.inputs = inputs
         self._by_version: dict[int, list[float]] = {}
         self._lock = threading.Lock()
 
@@ -97,14 +103,14 @@ class ProbeRecord:
             return self._by_version[version]
 
 
-class ProbedTransport:
+class ProbedTransport(Generic[ProbeInput]):
     """A :class:`~param_sync.Transport` into one rollout engine whose every committed load is
-    proven by the probe: ``score`` (the engine's own scoring of the probe sequence, under the
+    proven by the probe: ``score`` (the engine's own scoring of the probe's inputs, under the
     weights it serves) against the trainer's :class:`ProbeRecord` at the transfer's version."""
 
     def __init__(
-        self, inner: Transport, record: ProbeRecord, score: Callable[[Sequence[int]], list[float]], *, max_gap: float,
-        what: str,
+        self, inner: Transport, record: ProbeRecord[ProbeInput], score: Callable[[ProbeInput], list[float]], *,
+        max_gap: float, what: str,
     ) -> None:  # fmt: skip
         if max_gap <= 0:
             raise ValueError(f"max_gap must be > 0, got {max_gap}")
@@ -127,7 +133,7 @@ class ProbedTransport:
         self._inner.close()
 
     def _checked(self, report: LoadReport, version: int) -> LoadReport:
-        gap = probe_gap(self._score(self._record.token_ids), self._record.expected(version))
+        gap = probe_gap(self._score(self._record.inputs), self._record.expected(version))
         self.last_gap = gap
         if gap <= self.max_gap:
             return report
@@ -161,15 +167,15 @@ class ProbedWeightSync:
         self._inner.close()
 
 
-class ScoresProbe(LoadsWeights, Protocol):
-    """A rollout engine in this process that scores the probe under the weights it serves."""
+class ScoresProbe(LoadsWeights, Protocol[ProbeInput]):
+    """A rollout engine in this process that scores the probe's inputs under the weights it serves."""
 
-    def probe_logprobs(self, token_ids: Sequence[int]) -> list[float]: ...
+    def probe_logprobs(self, inputs: ProbeInput, /) -> list[float]: ...
 
 
 def probed_in_process(
-    trainer: SyncedTrainer, rollout: ScoresProbe, record: ProbeRecord, *, max_gap: float, what: str,
-    produce_bucket_mb: float, consume_bucket_mb: float,
+    trainer: SyncedTrainer, rollout: ScoresProbe[ProbeInput], record: ProbeRecord[ProbeInput], *, max_gap: float,
+    what: str, produce_bucket_mb: float, consume_bucket_mb: float,
 ) -> ProbedWeightSync:  # fmt: skip
     """``TorchWeightSync.in_process`` with every load probed against the trainer's ``record``:
     a gap above ``max_gap`` fails the sync, saying ``what`` did not land."""

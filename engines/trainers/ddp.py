@@ -99,7 +99,9 @@ class DDPRank:
             save_trainer_state(path, self._model.state_dict(), self._optimizer, self._scheduler, self.version)
 
     def load(self, path: Path) -> None:
-        self.version = restore_trainer_state(load_trainer_state(path), self._model, self._optimizer, self._scheduler)
+        self.version = restore_trainer_state(
+            load_trainer_state(path), self._model.load_state_dict, self._optimizer, self._scheduler
+        )
 
     def close(self) -> None:
         dist.destroy_process_group()

@@ -9,7 +9,7 @@ and moments to the model's device.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -41,10 +41,12 @@ def load_trainer_state(path: Path) -> dict[str, Any]:
 
 
 def restore_trainer_state(
-    state: dict[str, Any], model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any
-) -> int:
-    """Load ``state`` into the model, optimizer and schedule and torch's RNG; returns its version."""
-    model.load_state_dict(state["model"])
+    state: dict[str, Any], load_model: Callable[[dict[str, torch.Tensor]], object], optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+) -> int:  # fmt: skip
+    """Load ``state`` into the model (``load_model``: its ``load_state_dict``, or a LoRA adapter's
+    load), optimizer and schedule and torch's RNG; returns its version."""
+    load_model(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     torch.set_rng_state(state["rng"])

@@ -53,14 +53,13 @@ from transformers import AutoModelForCausalLM
 from tandem.algorithms.objective import LossMeanOver
 from tandem.core.protocols import LossObjective
 from tandem.core.records import Trajectory
-from tandem.engines.shared.lora import adapter_dropout, adapter_tensors, load_adapter, with_adapter
+from tandem.engines.shared.lora import TrainedWeights, adapter_dropout, with_adapter
 from tandem.engines.shared.microbatch import MicroBatch, response_logprobs
 from tandem.engines.shared.probe import ProbeRecord, probe_logprobs, probe_sequence
 from tandem.engines.shared.threads import ClosesOnAThread, budgeted_executor
 from tandem.engines.trainers.loss_loop import StepTotals, accumulate, check_trainable, score
 from tandem.engines.trainers.optimizer_steps import InProcessSteps, step_parts
 from tandem.engines.trainers.state import TRAINER_STATE_FILE, load_trainer_state, save_trainer_state
-from tandem.param_sync import unique_weights
 
 if TYPE_CHECKING:
     import peft
@@ -226,6 +225,7 @@ class TorchTrainEngine(_TorchModelEngine):
         if lora is not None:
             self._model = with_adapter(self._model, lora)
         self._trained = [p for p in self._model.parameters() if p.requires_grad]  # all of them without an adapter
+        self._weights = TrainedWeights(self._model, adapted=lora is not None)
         # Held while the weights change (optimizer steps, restore) and by a sync reading them
         # from another thread (``weights_for_sync``): that reader never sees a torn step.
         self._weights_lock = threading.Lock()
@@ -269,7 +269,7 @@ class TorchTrainEngine(_TorchModelEngine):
         These are the live tensors, unguarded: read them between train steps, or from another
         thread inside ``weights_for_sync``, and copy what must outlive the next step.
         """
-        yield from self._synced().items()
+        yield from self._weights.synced().items()
 
     @contextmanager
     def weights_for_sync(self) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
@@ -280,7 +280,7 @@ class TorchTrainEngine(_TorchModelEngine):
         param-sync gather) copies one whole version. Keep the block short: training waits.
         """
         with self._weights_lock:
-            yield self._version, self._synced()
+            yield self._version, self._weights.synced()
 
     def base_reference(self) -> BaseModelReference:
         """The base model, scored with the adapter disabled: the KL reference of a LoRA run."""
@@ -310,25 +310,10 @@ class TorchTrainEngine(_TorchModelEngine):
 
     # ------------------------------------------------------------------ worker thread only
 
-    def _synced(self) -> dict[str, torch.Tensor]:
-        if self._lora is None:
-            return unique_weights(self._model)
-        return {name: t.detach() for name, t in adapter_tensors(self._model).items()}
-
-    def _model_state(self) -> dict[str, torch.Tensor]:
-        """What checkpoints hold of the model: every weight, or the adapter alone."""
-        return self._model.state_dict() if self._lora is None else self._synced()
-
-    def _load_model_state(self, state: dict[str, torch.Tensor]) -> None:
-        if self._lora is None:
-            self._model.load_state_dict(state)
-        else:
-            load_adapter(self._model, state)
-
     def _record_probe(self) -> None:
         """The probe's log-probs at the current version (under the weights lock, or before any thread runs)."""
         if self.probe is not None:
-            self.probe.record(self._version, probe_logprobs(self._model, self.probe.token_ids))
+            self.probe.record(self._version, probe_logprobs(self._model, self.probe.inputs))
 
     def _score_base(self, trajectories: Sequence[Trajectory]) -> tuple[list[list[float]], list[list[float]]]:
         with self._model.disable_adapter():
@@ -337,7 +322,7 @@ class TorchTrainEngine(_TorchModelEngine):
     def _snapshot(self) -> dict[str, Any]:
         return copy.deepcopy(
             {
-                "model": self._model_state(),
+                "model": self._weights.state(),
                 "optimizer": self._optimizer.state_dict(),
                 "scheduler": self._scheduler.state_dict(),
                 "version": self._version,
@@ -345,7 +330,7 @@ class TorchTrainEngine(_TorchModelEngine):
         )
 
     def _save(self, path: Path) -> None:
-        save_trainer_state(path, self._model_state(), self._optimizer, self._scheduler, self._version)
+        save_trainer_state(path, self._weights.state(), self._optimizer, self._scheduler, self._version)
 
     def _load(self, path: Path) -> None:
         state = load_trainer_state(path)
@@ -354,7 +339,7 @@ class TorchTrainEngine(_TorchModelEngine):
 
     def _restore(self, state: dict[str, Any]) -> None:
         with self._weights_lock:
-            self._load_model_state(state["model"])
+            self._weights.load(state["model"])
             # The optimizer keeps the tensors it is given: a copy keeps our steps out of the
             # caller's dict (which may be loaded into another engine too).
             self._optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))

@@ -46,10 +46,11 @@ def test_what_adapters_do_not_support_is_refused_naming_the_fields(sections: dic
         config(**sections)
 
 
-def test_the_image_workload_refuses_an_adapter_naming_the_field() -> None:
+def test_the_image_workload_takes_an_adapter_and_its_refusals_name_the_fields() -> None:
     from tandem.engines.diffusion.build import check_image_config
 
-    cfg = load_config("flow_grpo_digits")
-    cfg = cfg.model_copy(update={"engines": cfg.engines.model_copy(update={"lora": LoraConfig()})})
-    with pytest.raises(ConfigError, match="engines.lora: adapters train on the text workloads only"):
-        check_image_config(cfg)
+    cfg = load_config("flow_grpo_digits_lora")
+    lora = check_image_config(cfg).lora
+    assert lora is not None and (lora.rank, lora.alpha, lora.target_modules) == (8, 16.0, None)  # the SD3 default
+    with pytest.raises(ConfigError, match=r"engines.lora with cluster.backend=ray"):
+        load_config("flow_grpo_digits_lora", ["cluster.backend=ray"])

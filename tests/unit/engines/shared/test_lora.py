@@ -1,25 +1,30 @@
-"""LoRA with peft: default targets per architecture, targets checked before any weights load, the
-merged export, and the base as the adapter-disabled model."""
+"""LoRA with peft: default targets per architecture (causal LMs and diffusers transformers), targets
+checked before any weights load, the merged export, and the base as the adapter-disabled model."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
+from diffusers import SD3Transformer2DModel
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from tandem.core.config import ConfigError, LoraConfig
 from tandem.engines.shared.lora import (
     CAUSAL_LM_TARGETS,
+    DIFFUSERS_TARGETS,
     adapter_tensors,
     load_adapter,
     lora_settings,
     save_adapter,
     save_merged,
+    transformer_lora_settings,
     with_adapter,
 )
 from tandem.engines.shared.probe import probe_logprobs, probe_sequence
+from tandem.tasks.digits import MODEL_DIR as DIGITS_DIR
 
 pytest.importorskip("peft", reason="LoRA needs the lora extra (peft)")
 
@@ -43,6 +48,30 @@ def test_an_architecture_without_defaults_needs_its_targets_named(tmp_path: Path
     with pytest.raises(ConfigError, match="engines.lora.target_modules: no default for model type 'bloom'"):
         lora_settings(LoraConfig(), tmp_path)
     assert lora_settings(LoraConfig(target_modules=["query_key_value"]), tmp_path).r == 8
+
+
+def test_the_sd3_transformers_default_targets_are_the_attention_projections_it_has(tmp_path: Path) -> None:
+    shipped = DIGITS_DIR / "transformer"
+    settings = transformer_lora_settings(LoraConfig(), SD3Transformer2DModel, shipped)
+    assert set(settings.target_modules) == set(DIFFUSERS_TARGETS["SD3Transformer2DModel"])
+    config = SD3Transformer2DModel.load_config(shipped)
+    (tmp_path / "config.json").write_text(json.dumps({**config, "num_layers": 1}))
+    one_block = transformer_lora_settings(LoraConfig(), SD3Transformer2DModel, tmp_path)
+    # A single block is the last one, whose prompt stream ends there: it has no to_add_out.
+    assert set(one_block.target_modules) == set(DIFFUSERS_TARGETS["SD3Transformer2DModel"]) - {"to_add_out"}
+
+
+def test_a_transformer_target_that_matches_no_layer_is_named_and_other_classes_need_theirs() -> None:
+    shipped = DIGITS_DIR / "transformer"
+    with pytest.raises(ConfigError, match=r"engines.lora.target_modules: \['to_qq'\] match no layer .*'to_q'"):
+        transformer_lora_settings(LoraConfig(target_modules=["to_q", "to_qq"]), SD3Transformer2DModel, shipped)
+
+    class MyTransformer(SD3Transformer2DModel):
+        pass
+
+    with pytest.raises(ConfigError, match="engines.lora.target_modules: no default for the transformer MyTransformer"):
+        transformer_lora_settings(LoraConfig(), MyTransformer, shipped)
+    assert transformer_lora_settings(LoraConfig(target_modules=["to_q"]), MyTransformer, shipped).target_modules == {"to_q"}
 
 
 def adapted(model_dir: Path, seed: int = 1, **lora: object) -> torch.nn.Module:
