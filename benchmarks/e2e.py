@@ -49,6 +49,13 @@ give each phase one core where sync gives each all of them, so this, not ``ideal
     python benchmarks/e2e.py [--steps 60] [--repeat 3] [--backend local|ray] [--rollout embedded|server|agent|vllm]
         [--proximal-recompute] [--config ...] [key=value ...]
 
+``--mini-batches M`` runs every mode again with ``train.mini_batches=M`` (M optimizer steps per
+train step, the same samples), sync with the thread budget it won with, and reports each row's
+samples/s against its one-step row (``vs_one_step``): what the extra optimizer steps cost at equal
+work per sample. Give a proximal source valid for both (``-- algorithm.proximal=loglinear``: the
+default job's ``current`` is refused with several optimizer steps). Writes
+``benchmarks/results/e2e_mini_batches.json``.
+
 ``--repeat N`` measures every mode N times, each run against its own sync; the headline speedups
 are the medians, each run's in ``speedup_<mode>_vs_sync_runs``.
 """
@@ -81,6 +88,7 @@ RESULTS = {
     "server": Path(__file__).parent / "results" / "e2e_server.json",
     "agent": Path(__file__).parent / "results" / "e2e_server_agent.json",
     "vllm": Path(__file__).parent / "results" / "e2e_vllm.json",
+    "mini_batches": Path(__file__).parent / "results" / "e2e_mini_batches.json",
 }
 MODES = {"sync": 0, "k1": 1, "k2": 2, "k4": 4}
 # Generation in a server process: one thread there, the trainer one thread here (2 cores).
@@ -217,11 +225,33 @@ def proximal_recompute_rows(args: argparse.Namespace, rows: list[dict[str, Any]]
     return out
 
 
+def mini_batch_rows(args: argparse.Namespace, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each in-process mode of ``rows`` again with ``train.mini_batches`` optimizer steps per train
+    step (sync with the thread budget it won with); each row, named ``<mode>_m<M>``, carries its
+    samples/s over its one-step row's (``vs_one_step``)."""
+    budgets = dict(SYNC_BUDGETS)
+    out = []
+    for base in [r for r in rows if r["mode"] in MODES and r["backend"] == "local" and r["rollout"] == "embedded"]:
+        threads = budgets.get(base["threads"], [])
+        overrides = [*args.overrides, f"train.mini_batches={args.mini_batches}", *threads]
+        result, wall = run_mode(args.config, MODES[base["mode"]], args.steps, overrides)
+        stepped = {**row(f"{base['mode']}_m{args.mini_batches}", result, wall), "threads": base["threads"],
+                   "backend": "local", "rollout": "embedded"}  # fmt: skip
+        stepped["vs_one_step"] = stepped["samples_per_s"] / base["samples_per_s"]
+        out.append(stepped)
+    sync = next((r for r in out if r["mode"] == f"sync_m{args.mini_batches}"), None)
+    for r in out:
+        with_sync(r, sync)
+    return out
+
+
 def measure_once(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Every mode once on each path asked for: one run's rows, speedups against that run's own sync."""
     rows = run_modes(args, "local")
     if args.proximal_recompute:
         rows += proximal_recompute_rows(args, rows)
+    if args.mini_batches > 1:
+        rows += mini_batch_rows(args, rows)
     if args.rollout in ("server", "agent"):
         rows += run_modes(args, "local", "server")
     if args.rollout == "agent":
@@ -256,6 +286,8 @@ def main() -> None:
                              "vllm: every mode also with vLLM in process")
     parser.add_argument("--proximal-recompute", action="store_true",
                         help="every mode also with pi_prox recomputed by the logp stage")
+    parser.add_argument("--mini-batches", type=int, default=1,
+                        help="every mode also with this many optimizer steps per train step (train.mini_batches)")
     parser.add_argument("--repeat", type=int, default=1, help="measure every mode this many times (spread between runs)")
     parser.add_argument("overrides", nargs="*", help="dotted.key=value applied to every mode (after --)")
     args = parser.parse_args()
@@ -272,7 +304,7 @@ def main() -> None:
 
     table = Table(title=f"End to end: default job, {args.steps} steps per mode, {os.cpu_count()} cores")
     for col in ("run", "backend", "rollout", "mode", "threads", "samples/s", "tokens/s", "s/step", "vs sync", "bound", "ideal",
-                "reward 1st 1/4", "reward at equal samples", "Ray overhead s/step", "probe gap", "sync s (stall)"):
+                "reward 1st 1/4", "reward at equal samples", "Ray overhead s/step", "probe gap", "sync s (stall)", "vs 1 step"):
         table.add_column(col, justify="right")
     for r in rows:
         speedup = "—" if r["speedup_vs_sync"] is None else f"{r['speedup_vs_sync']:.2f}x"
@@ -282,12 +314,13 @@ def main() -> None:
         sync_s = f"{r['sync_s']:.3f} ({r['sync_stall_s']:.3f})" if "sync_s" in r else ""
         table.add_row(str(r["run"]), r["backend"], r["rollout"], r["mode"], r["threads"], f"{r['samples_per_s']:.1f}",
                       f"{r['tokens_per_s']:.0f}", f"{r['step_time_s']:.2f}", speedup, bound, f"{r['ideal_speedup']:.2f}x",
-                      f"{r['reward_first_quarter']:.3f}", f"{r['reward_at_equal_samples']:.3f}", overhead, probe, sync_s)
+                      f"{r['reward_first_quarter']:.3f}", f"{r['reward_at_equal_samples']:.3f}", overhead, probe, sync_s,
+                      f"{r['vs_one_step']:.2f}x" if "vs_one_step" in r else "")
         for other in r.get("other_sync_schedules", []):
             table.add_row("", "", "", "(sync)", other["threads"], f"{other['samples_per_s']:.1f}", "", "", "", "", "", "",
-                          f"{other['reward_at_equal_samples']:.3f}", "", "", "")
+                          f"{other['reward_at_equal_samples']:.3f}", "", "", "", "")
     Console(width=220).print(table)
-    results = RESULTS[args.backend if args.rollout == "embedded" else args.rollout]
+    results = RESULTS["mini_batches" if args.mini_batches > 1 else args.backend if args.rollout == "embedded" else args.rollout]
     results.parent.mkdir(parents=True, exist_ok=True)
     doc = {
         "rows": rows,
@@ -296,7 +329,7 @@ def main() -> None:
            for mode in ("k1", "k2", "k4")},
         **{f"speedup_{mode}_vs_sync_runs": speedups.get(mode, []) for mode in ("k1", "k2", "k4")},
         "settings": {"steps": args.steps, "config": args.config, "overrides": args.overrides, "backend": args.backend,
-                     "rollout": args.rollout, "repeat": args.repeat},
+                     "rollout": args.rollout, "repeat": args.repeat, "mini_batches": args.mini_batches},
         "machine": {"cores": os.cpu_count(), "python": platform.python_version(), "machine": platform.machine(),
                     # Other work on the machine shares its cores: read the numbers with this.
                     "load_average_1m_at_end": os.getloadavg()[0]},
