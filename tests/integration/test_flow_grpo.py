@@ -53,11 +53,6 @@ SMALL: dict[str, Any] = {
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> None:
-    torch.set_num_threads(1)
-
-
 def hand_written_flow_grpo(cfg: TandemConfig) -> tuple[list[list[tuple[np.ndarray, float]]], dict[str, torch.Tensor]]:
     """Flow-GRPO-Fast written out on the task's own generator, as the paper's reference loop does, with nothing of the
     flow or the engines: per step, sample every image of the step's groups with the SDE on the group's window, score

@@ -23,11 +23,6 @@ from tandem.tasks.digits.pretrain import REPORT_SEED, measure_recognition
 from tandem.tasks.digits.sampling import sample_images
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> None:
-    torch.set_num_threads(1)
-
-
 @pytest.fixture(scope="module")
 def metrics() -> dict:
     return json.loads(PRETRAIN_METRICS_PATH.read_text())

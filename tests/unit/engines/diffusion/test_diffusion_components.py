@@ -34,11 +34,6 @@ DIGITS: dict[str, Any] = {
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> None:
-    torch.set_num_threads(1)
-
-
 def digits_config(**sections: Any) -> Any:
     return validate_config(merge(DIGITS, sections))
 

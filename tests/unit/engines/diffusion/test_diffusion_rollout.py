@@ -21,11 +21,6 @@ GUIDANCE = 1.5
 NOISE = 0.7
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> None:
-    torch.set_num_threads(1)
-
-
 @pytest.fixture(scope="module")
 def engine() -> DiffusionRolloutEngine:
     engine = DiffusionRolloutEngine(MODEL_DIR, noise_level=NOISE, guidance_scale=GUIDANCE, max_batch_size=8)

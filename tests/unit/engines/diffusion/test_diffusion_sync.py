@@ -9,7 +9,6 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-import torch
 
 from tandem.algorithms import PolicyObjective
 from tandem.core.config import AlgorithmConfig
@@ -21,11 +20,6 @@ from tandem.param_sync import InProcessTransport, ParamSyncer, Receiver
 from tandem.tasks.digits import MODEL_DIR, format_prompt
 
 STEPS = 40
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> None:
-    torch.set_num_threads(1)
 
 
 def generate(engine: DiffusionRolloutEngine, requests: list[DenoiseRequest]) -> list[Trajectory]:

@@ -29,11 +29,6 @@ NOISE = 0.7
 PLANS = [(True,) * 6, (False, True, True, True, False, False)]  # plain Flow-GRPO and a Flow-GRPO-Fast window
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> None:
-    torch.set_num_threads(1)
-
-
 @pytest.fixture(scope="module")
 def trajectories() -> list[Trajectory]:
     """Eight images of four digits, half with an SDE window, sampled by the rollout engine at version 0."""
