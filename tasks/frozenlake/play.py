@@ -1,10 +1,10 @@
 """A model plays FrozenLake episodes turn by turn with plain ``model.generate``: the evaluation.
 
-Owns how pretraining and the tests measure a model's success: each turn, every live episode's
-transcript so far (see :mod:`tasks.frozenlake.transcript`) is left-padded into one batch, the model
-generates one turn (at most ``TURN_TOKENS`` tokens, stopping at ``<eot>``), the turn's text goes
-to the environment, and the next observation is appended. No KV cache is kept between turns: an
-episode is a few hundred tokens, so re-encoding it is cheap and keeps this loop obviously right.
+Owns how pretraining and the tests measure a model's success: every live episode's transcript
+(see :mod:`tasks.frozenlake.transcript`) is a row of one :class:`~tasks.turn_batch.TurnBatch`;
+each turn the model generates one turn for all of them (at most ``TURN_TOKENS`` tokens, stopping
+at ``<eot>``), each turn's text goes to its environment, and the next observation is appended.
+The batch keeps its KV cache across turns, so each turn encodes only the new tokens.
 
 Invariant: with the same model, seeds and ``sampling_seed``, the episodes are the same (on the
 same machine and torch build).
@@ -22,6 +22,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerFast
 from tandem.tasks.frozenlake.environment import MAX_TURNS, FrozenLakeEnvironment
 from tandem.tasks.frozenlake.tokenizer import EOT
 from tandem.tasks.frozenlake.transcript import TURN_TOKENS
+from tandem.tasks.turn_batch import TurnBatch
 
 __all__ = ["EpisodeOutcome", "PlayReport", "play", "summarize"]
 
@@ -75,21 +76,12 @@ def play(
     outcomes = [""] * len(seeds)
     malformed = [0] * len(seeds)
     live = list(range(len(seeds)))
+    batch = TurnBatch(model, transcripts, tokenizer.pad_token_id)
     while live:
-        width = max(len(transcripts[i]) for i in live)
-        input_ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(transcripts[i])) + transcripts[i] for i in live])
-        attention_mask = torch.tensor([[0] * (width - len(transcripts[i])) + [1] * len(transcripts[i]) for i in live])
-        output = model.generate(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            max_new_tokens=TURN_TOKENS,
-            eos_token_id=eot_id,
-            pad_token_id=tokenizer.pad_token_id,
-            **sampling,
-        )
-        still_live = []
-        for i, row in zip(live, output[:, width:].tolist(), strict=True):
-            turn = row[: row.index(eot_id) + 1] if eot_id in row else row  # what follows <eot> is padding
+        generated = batch.generate(max_new_tokens=TURN_TOKENS, eos_token_id=eot_id, **sampling)
+        still_live, rows, turn_lengths, observations = [], [], [], []
+        for row, (i, tokens) in enumerate(zip(live, generated, strict=True)):
+            turn = tokens[: tokens.index(eot_id) + 1] if eot_id in tokens else tokens  # what follows <eot> is padding
             action_text = tokenizer.decode(turn[:-1] if turn[-1] == eot_id else turn, skip_special_tokens=False)
             result = environments[i].step(action_text)
             actions[i].append(action_text)
@@ -99,8 +91,14 @@ def play(
             if result.terminated or result.truncated:
                 outcomes[i] = str(result.info["outcome"])
             else:
-                transcripts[i] += tokenizer(result.observation, add_special_tokens=False)["input_ids"]
+                observation = tokenizer(result.observation, add_special_tokens=False)["input_ids"]
+                transcripts[i] += observation
                 still_live.append(i)
+                rows.append(row)
+                turn_lengths.append(len(turn))
+                observations.append(observation)
+        if still_live:
+            batch.advance(rows, turn_lengths, observations)
         live = still_live
     model.train(was_training)
     return [
