@@ -3,8 +3,9 @@
 With it the torch engines train a peft LoRA adapter on the frozen base model (the causal LM of a
 text workload, the transformer of the image workload's generator) instead of every weight: only
 the adapter's tensors train, sit in the optimizer, travel to the rollout engine and fill the
-checkpoints. What is refused here is what was not built for adapters (trainer
-groups, rollout engines other than the embedded one, Ray): each rule names the fields.
+checkpoints, on one process's trainer or a trainer group of FSDP2 or DDP ranks. What is refused
+here is what was not built for adapters (megatron-core ranks, rollout engines other than the
+embedded one, Ray): each rule names the fields.
 """
 
 from __future__ import annotations
@@ -88,11 +89,10 @@ def check_lora(config: TandemConfig) -> None:
             f"engines.lora with engines.rollout={engines.rollout}: adapter-only weight sync reaches the embedded "
             "rollout engine only (engines.rollout=embedded)"
         )
-    if engines.trainer_group is not None:
+    if engines.trainer_group == "megatron":
         raise ValueError(
-            f"engines.lora with engines.train={engines.train}, engines.data_parallel={engines.data_parallel}, "
-            f"engines.train_world_size={engines.train_world_size}: adapters train on one process's torch trainer "
-            "(engines.train=torch, engines.data_parallel=ddp, engines.train_world_size=1)"
+            "engines.lora with engines.train=megatron: adapters train on torch ranks (engines.train=torch, with "
+            "engines.data_parallel=fsdp2 or ddp and any engines.train_world_size)"
         )
     if config.cluster.backend != "local":
         raise ValueError("engines.lora with cluster.backend=ray: adapters train and sync in one process (cluster.backend=local)")
