@@ -5,7 +5,8 @@ and :func:`transformer_lora_settings` (diffusers transformers), which turn ``eng
 peft's ``LoraConfig`` after checking every target against the model's layers (on a skeleton on
 the meta device, before any engine loads weights); adding an adapter to a model
 (:func:`with_adapter`: peft's ``get_peft_model`` wraps a causal LM; :func:`with_diffusers_adapter`:
-diffusers' ``add_adapter`` injects into a transformer in place); the adapter's live tensors under
+diffusers' ``add_adapter`` injects into a transformer in place; :func:`with_injected_adapter`:
+peft's ``inject_adapter_in_model`` into any module in place, the critic's decoder body); the adapter's live tensors under
 peft's own names (:func:`adapter_tensors`, :func:`load_adapter`) and what of a trainer's model syncs and fills its
 checkpoints, adapter or not (:class:`TrainedWeights`); dropout in the gradient forward only
 (:func:`adapter_dropout`); the KL reference of a LoRA run, the base with the adapter disabled
@@ -69,6 +70,7 @@ __all__ = [
     "transformer_lora_settings",
     "with_adapter",
     "with_diffusers_adapter",
+    "with_injected_adapter",
 ]
 
 _LLAMA_LIKE = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -193,6 +195,15 @@ def with_diffusers_adapter(transformer: nn.Module, settings: peft.LoraConfig) ->
     ``add_adapter``), returned in ``eval()`` mode: the base frozen, the adapter's tensors requiring grad."""
     transformer.add_adapter(settings)  # type: ignore[operator]
     return transformer.eval()  # the injected layers (the adapter's dropout) start in train mode
+
+
+def with_injected_adapter(model: nn.Module, settings: peft.LoraConfig) -> nn.Module:
+    """``model`` with a fresh adapter injected in place (peft's ``inject_adapter_in_model``: no
+    wrapper, so a module inside a larger one, the critic's decoder, stays where it is), returned in
+    ``eval()`` mode: the base frozen, the adapter's tensors requiring grad."""
+    from peft import inject_adapter_in_model
+
+    return inject_adapter_in_model(settings, model).eval()
 
 
 def adapter_tensors(model: nn.Module) -> dict[str, torch.Tensor]:

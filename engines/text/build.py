@@ -251,13 +251,16 @@ def teacher_engine(config: TandemConfig, path: Path, num_threads: int) -> TorchL
 
 def value_engine(config: TandemConfig, num_threads: int) -> TorchValueEngine:
     """The critic a torch config with a critic stage describes: the task's checkpoint's decoder
-    with a scalar head (``engines.trainers.critic``), trained at ``engines.critic_lr`` (default ``lr``)."""
+    with a scalar head (``engines.trainers.critic``), trained at ``engines.critic_lr`` (default
+    ``lr``); with ``engines.lora``, an adapter of its own on its decoder, with the head (default
+    rate ``engines.lora.lr``, then ``lr``)."""
     spec = config.engines
     assert isinstance(spec, TorchEnginesConfig)
+    lr = spec.critic_lr or (spec.lora.lr if spec.lora is not None and spec.lora.lr is not None else spec.lr)
     return TorchValueEngine(
-        str(resolve_model_path(spec.model_path)), lr=spec.critic_lr or spec.lr, device=spec.device,
+        str(resolve_model_path(spec.model_path)), lr=lr, device=spec.device,
         dtype=TORCH_DTYPES[spec.dtype], weight_decay=spec.weight_decay, max_grad_norm=spec.max_grad_norm,
-        max_tokens_per_micro_batch=spec.max_tokens_per_micro_batch, num_threads=num_threads,
+        max_tokens_per_micro_batch=spec.max_tokens_per_micro_batch, num_threads=num_threads, lora=lora_of(config),
     )
 
 
