@@ -476,6 +476,11 @@ class RankServer:
         hf_logging.disable_progress_bar()  # a rank's loads and exports would interleave bars with the run's display
         apply_thread_budget(spec.num_threads)
         engine_class = import_named(RANK_ENGINES[spec.engine], "engines.train")
+        if spec.lora is not None and not issubclass(engine_class, AdapterRank):
+            raise ValueError(
+                f"engines.lora: {spec.engine} ranks train no adapter (engines.train=torch with engines.data_parallel=fsdp2 "
+                "or ddp do)"
+            )
         self.spec = spec
         self.rank = rank
         self.engine: RankEngine = engine_class(
@@ -536,8 +541,9 @@ class RankServer:
         raise TypeError(f"rank {self.rank}: unexpected message {message!r}")
 
     def _adapter_rank(self) -> AdapterRank:
-        if self.spec.lora is None or not isinstance(self.engine, AdapterRank):
+        if self.spec.lora is None:
             raise TypeError(f"rank {self.rank}: {type(self.engine).__name__} trains no LoRA adapter here")
+        assert isinstance(self.engine, AdapterRank)  # checked at the start
         return self.engine
 
     def _gather(self) -> Gathered:
