@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 from transformers import AutoModelForCausalLM
 
 from tandem.core.protocols import LossObjective
@@ -200,9 +200,35 @@ class FSDPRank:
         torch.set_rng_state(state["rng"])
 
     def _adapter(self) -> dict[str, torch.Tensor]:
-        """The adapter's whole tensors under peft's saved names, on every rank: one all-gather per
-        tensor, of the adapter only (a few per adapted layer; gathering the layers would move the base)."""
-        return {name: t.full_tensor().detach() for name, t in adapter_tensors(self._model).items()}  # type: ignore[operator]
+        """The adapter's whole tensors under peft's saved names, on every rank, from one all-gather of
+        the adapter's shards alone (gathering the layers would move the base too).
+
+        Why not ``full_tensor()`` per tensor: gloo pays a round trip per collective, and an adapter
+        has two tensors per adapted layer (the shipped model's 56 over 2 ranks: a staged gather took
+        68 ms so, 16 ms this way, as long as the whole model's by layers). FSDP2 shards each tensor on
+        dim 0 as ``torch.chunk`` does (``ceil(rows / N)`` rows per rank, the last ones shorter):
+        each shard travels as bytes, padded to that size, so mixed dtypes share the one buffer unchanged.
+        """
+        world = dist.get_world_size()
+        adapter = adapter_tensors(self._model)
+        layout, pieces = [], []
+        for name, tensor in adapter.items():
+            assert isinstance(tensor, DTensor) and tensor.placements == (Shard(0),), name
+            local = tensor.to_local().detach()
+            rows = -(-tensor.shape[0] // world)
+            padded = local.new_zeros((rows, *tensor.shape[1:]))
+            padded[: local.shape[0]] = local
+            pieces.append(padded.reshape(-1).view(torch.uint8))
+            layout.append((name, tensor, rows, pieces[-1].numel()))
+        flat = torch.cat(pieces)
+        shards = [torch.empty_like(flat) for _ in range(world)]
+        dist.all_gather(shards, flat)
+        whole, offset = {}, 0
+        for name, tensor, rows, nbytes in layout:
+            parts = [shard[offset : offset + nbytes].view(tensor.dtype).view(rows, *tensor.shape[1:]) for shard in shards]
+            whole[name] = torch.cat(parts)[: tensor.shape[0]]
+            offset += nbytes
+        return whole
 
     def close(self) -> None:
         dist.destroy_process_group()
