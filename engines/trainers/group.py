@@ -255,13 +255,15 @@ class RankEngine(Protocol):
     def drop_gradients(self) -> None: ...
 
     def gather(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Full HF-named weights (each storage once, ``param_sync.unique_weights``' names), walked by every
+        """Full HF-named weights (each storage once, ``param_sync.unique_weights``' names), or with
+        ``RankSpec.lora`` the adapter's whole tensors under peft's saved names, walked by every
         rank to the end; ranks that take no part in the gather yield nothing. A yielded tensor is
         valid until the next one is asked for (an engine may free it then): copy what must stay."""
         ...
 
     def save(self, path: Path) -> None:
-        """Write full (unsharded) weights, optimizer state, schedule and version to ``path`` (rank 0 writes)."""
+        """Write full (unsharded) weights (an adapter's alone), optimizer state, schedule and version
+        to ``path`` (rank 0 writes)."""
         ...
 
     def load(self, path: Path) -> None:

@@ -165,3 +165,16 @@ async def test_the_export_is_a_peft_adapter_on_the_base(group: TrainerGroup, mod
     exported = adapter_tensors(tuned)
     assert exported.keys() == loaded.keys()
     assert [n for n in loaded if not torch.equal(exported[n], loaded[n])] == []
+
+
+async def test_a_ddp_groups_adapter_checkpoint_resumes_on_the_one_process_trainer(
+    groups: dict[str, tuple[TrainerGroup, Path]], single_process: TorchTrainEngine, tmp_path: Path
+) -> None:
+    group, untrained = groups["ddp"]
+    await group.load_state(untrained)
+    await group.train_step(make_batch(), pg_loss)
+    await group.save_state(tmp_path)  # trainer.pt, the one-process trainer's format
+    await single_process.load_state(tmp_path)
+    assert single_process.version == group.version == 1
+    mine = dict(single_process.named_tensors_for_sync())
+    assert [n for n, t in staged(group).items() if not torch.equal(t, mine[n])] == []
