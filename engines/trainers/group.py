@@ -943,8 +943,8 @@ class TrainerGroup(ClosesOnAThread):
             return
         replies = self._exchange([Probe(self.probe.inputs) for _ in range(self.size)])
         for rank, reply in enumerate(replies):
-            if isinstance(reply, Failed):
-                raise TrainRankError(rank, f"failed to score the weight probe:\n{reply.traceback}")
+            if isinstance(reply, Failed):  # the version has moved without its record: no sync could prove it
+                raise self._lost(rank, f"failed to score the weight probe:\n{reply.traceback}")
         assert isinstance(replies[0], Probed)
         self.probe.record(self._version, replies[0].logprobs)
 

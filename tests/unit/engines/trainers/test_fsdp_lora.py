@@ -26,6 +26,8 @@ from tandem.engines.shared.probe import probed_in_process
 from tandem.engines.text.rollout import HFRolloutEngine
 from tandem.engines.trainers.group import RankSpec, TrainerGroup
 from tandem.engines.trainers.torch_train import TorchLogProbEngine, TorchTrainEngine
+from tandem.param_sync import TransferError
+from tests.unit.engines.text.test_lora_sync import Dropping
 
 pytest.importorskip("peft", reason="LoRA needs the lora extra (peft)")
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -115,22 +117,28 @@ async def test_only_the_adapter_trains_and_sits_in_the_optimizer(group: TrainerG
         assert flat(await group.logprobs(batch)) != pytest.approx(flat(await untouched.logprobs(batch)), abs=1e-6)
 
 
-async def test_a_sync_carries_the_adapters_bytes_and_the_probe_proves_it_landed(group: TrainerGroup, model_dir: Path) -> None:
+async def test_a_sync_carries_the_adapters_bytes_and_the_probe_catches_one_that_did_not_land(
+    group: TrainerGroup, model_dir: Path
+) -> None:
     await group.train_step(make_batch(), pg_loss)
     adapter_bytes = sum(t.numel() * t.element_size() for t in staged(group).values())
     assert group.probe is not None
     rollout = HFRolloutEngine(str(model_dir), dtype=torch.float64, lora=group.lora)
+    rollout.target = Dropping(rollout.target, drop_from=group.version + 1)  # acknowledges the next, applies nothing
     sync = probed_in_process(
         group, rollout, group.probe, max_gap=1e-4, what="the adapter", produce_bucket_mb=1, consume_bucket_mb=1
     )
     try:
         report = await sync.sync(group.version)
+        assert report.version == group.version
+        assert report.metrics["bytes"] == adapter_bytes
+        assert report.metrics["logprob_gap"] < 1e-9
+        await group.train_step(make_batch(1), pg_loss)
+        with pytest.raises(TransferError, match=rf"version {group.version} .*: the adapter did not land"):
+            await sync.sync(group.version)
     finally:
         sync.close()
         rollout.close()
-    assert report.version == group.version
-    assert report.metrics["bytes"] == adapter_bytes
-    assert report.metrics["logprob_gap"] < 1e-9
 
 
 async def test_a_checkpoint_of_the_adapter_resumes_exactly(group: TrainerGroup, tmp_path: Path) -> None:
