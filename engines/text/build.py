@@ -172,7 +172,7 @@ def train_engine(config: TandemConfig, num_threads: int) -> TorchTrainEngine | T
         from tandem.engines.trainers.group import RankSpec, TrainerGroup  # only group runs pay for it
 
         ranks = RankSpec.from_config(config, str(resolve_model_path(spec.model_path)), num_threads, lora_of(config))
-        return TrainerGroup.local(ranks, spec.train_world_size, probe=spec.lora is not None)
+        return TrainerGroup.local(ranks, spec.train_world_size)
     lr = spec.lr if spec.lora is None or spec.lora.lr is None else spec.lora.lr
     return TorchTrainEngine(
         str(resolve_model_path(spec.model_path)), lr=lr, device=spec.device, dtype=TORCH_DTYPES[spec.dtype],

@@ -36,10 +36,9 @@ wraps its model with peft before sharding it, the adapter's A drawn from ``RankS
 every rank; only the adapter trains and sits in the optimizer; a gather, the staging, the
 checkpoints and the export hold the adapter's tensors alone, under peft's saved names
 (``engines.shared.lora``). The KL reference is the base with the adapter disabled, scored by the
-ranks (:meth:`TrainerGroup.base_reference`); with a probe (``probe=True``) the driver records the
-probe's log-probs at every version the group reaches (:attr:`TrainerGroup.probe`), as the
-one-process trainer does under its weights lock, for the sync's proof of arrival
-(``engines.shared.probe``).
+ranks (:meth:`TrainerGroup.base_reference`); the driver records the probe's log-probs at every
+version the group reaches (:attr:`TrainerGroup.probe`), as the one-process trainer does under its
+weights lock, for the sync's proof of arrival (``engines.shared.probe``).
 
 Invariants:
 - one version for the group: it moves by one per train step, only after every rank took the
@@ -796,11 +795,11 @@ class TrainerGroup(ClosesOnAThread):
 
     ``ranks`` are started here: the constructor waits until every rank has built its engine
     and joined the group (it raises ``TrainRankError`` naming a rank that could not). ``close()``
-    stops them. ``probe``: record the probe's log-probs at every version in :attr:`probe` (the
-    sync's proof of arrival; ranks of a LoRA spec only).
+    stops them. With an adapter (``spec.lora``) it records the probe's log-probs at every version
+    in :attr:`probe` (the sync's proof of arrival; None without).
     """
 
-    def __init__(self, ranks: LocalRanks | RayRanks, spec: RankSpec, *, probe: bool = False) -> None:
+    def __init__(self, ranks: LocalRanks | RayRanks, spec: RankSpec) -> None:
         if ranks.size % spec.tensor_parallel_size:
             raise ValueError(f"{ranks.size} ranks do not split into tensor-parallel groups of {spec.tensor_parallel_size}")
         self._ranks = ranks
@@ -812,7 +811,7 @@ class TrainerGroup(ClosesOnAThread):
         self._staging: Staging | None = None
         self._staging_lock = threading.Lock()
         self._state_file = ""  # the rank engine's, from the ranks' first replies
-        self.probe = ProbeRecord(probe_sequence(_vocab_size(spec.model_path))) if probe else None
+        self.probe = ProbeRecord(probe_sequence(_vocab_size(spec.model_path))) if spec.lora is not None else None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="train-group")
         try:
             self._on_worker_now(self._start)
@@ -821,9 +820,9 @@ class TrainerGroup(ClosesOnAThread):
             raise
 
     @classmethod
-    def local(cls, spec: RankSpec, world_size: int, *, probe: bool = False) -> TrainerGroup:
+    def local(cls, spec: RankSpec, world_size: int) -> TrainerGroup:
         """A group of ``world_size`` rank processes spawned by this process."""
-        return cls(LocalRanks(spec, world_size), spec, probe=probe)
+        return cls(LocalRanks(spec, world_size), spec)
 
     @property
     def size(self) -> int:

@@ -54,11 +54,11 @@ def staged(group: TrainerGroup) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def groups(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, tuple[TrainerGroup, Path]]]:
-    """Per engine: a two-rank LoRA group with the probe on, and a checkpoint of its untrained adapter."""
+    """Per engine: a two-rank LoRA group (its probe on) and a checkpoint of its untrained adapter."""
     made: dict[str, tuple[TrainerGroup, Path]] = {}
     try:
         for engine in ENGINES:
-            group = TrainerGroup.local(lora_spec(model_dir, engine), 2, probe=True)
+            group = TrainerGroup.local(lora_spec(model_dir, engine), 2)
             folder = tmp_path_factory.mktemp(f"untrained_{engine}")
             made[engine] = group, folder
             asyncio.run(group.save_state(folder))
