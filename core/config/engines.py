@@ -280,7 +280,9 @@ class TorchEnginesConfig(Section):
     lr: float = Field(1e-4, gt=0)
     """AdamW learning rate."""
     critic_lr: float | None = Field(None, gt=0)
-    """AdamW learning rate of the critic (the value model of ``algorithm.advantage: gae``); None: ``lr``."""
+    """AdamW learning rate of the critic (the value model of ``algorithm.advantage: gae``); None:
+    ``lr``, or with ``engines.lora`` (the critic then trains an adapter of its own and its head)
+    ``engines.lora.lr`` when set."""
     weight_decay: float = Field(0.0, ge=0)
     """AdamW weight decay."""
     warmup_steps: int = Field(0, ge=0)

@@ -1,10 +1,11 @@
 """The LoRA section (``engines.lora``) and the rules it imposes on the rest of the config.
 
 With it the torch engines train a peft LoRA adapter on the frozen base model (the causal LM of a
-text workload, the transformer of the image workload's generator) instead of every weight: only
+text workload and its critic's decoder, the transformer of the image workload's generator) instead of every weight: only
 the adapter's tensors train, sit in the optimizer, travel to the rollout engine and fill the
-checkpoints. What is refused here is what was not built for adapters (trainer
-groups, rollout engines other than the embedded one, Ray): each rule names the fields.
+checkpoints, on one process's trainer or a trainer group of FSDP2 or DDP ranks. What is refused
+here is what was not built for adapters (megatron-core ranks, rollout engines other than the
+embedded one, Ray): each rule names the fields.
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ class LoraConfig(Section):
     prompt stream's ``add_q_proj add_k_proj add_v_proj to_add_out``). Every name must match a
     layer of the model (checked before the run starts)."""
     lr: float | None = Field(None, gt=0)
-    """AdamW learning rate of the adapter; None: ``engines.lr``. Adapters usually train at a
+    """AdamW learning rate of the adapter (and of the critic's own adapter and head, unless
+    ``engines.critic_lr``); None: ``engines.lr``. Adapters usually train at a
     larger rate than full fine-tuning (``configs/lora_arithmetic.yaml`` says what was measured)."""
     probe_max_gap: float | None = Field(None, gt=0)
     """After every sync a fixed probe is scored by the rollout engine and its log-probs compared
@@ -88,11 +90,10 @@ def check_lora(config: TandemConfig) -> None:
             f"engines.lora with engines.rollout={engines.rollout}: adapter-only weight sync reaches the embedded "
             "rollout engine only (engines.rollout=embedded)"
         )
-    if engines.trainer_group is not None:
+    if engines.trainer_group == "megatron":
         raise ValueError(
-            f"engines.lora with engines.train={engines.train}, engines.data_parallel={engines.data_parallel}, "
-            f"engines.train_world_size={engines.train_world_size}: adapters train on one process's torch trainer "
-            "(engines.train=torch, engines.data_parallel=ddp, engines.train_world_size=1)"
+            "engines.lora with engines.train=megatron: adapters train on torch ranks (engines.train=torch, with "
+            "engines.data_parallel=fsdp2 or ddp and any engines.train_world_size)"
         )
     if config.cluster.backend != "local":
         raise ValueError("engines.lora with cluster.backend=ray: adapters train and sync in one process (cluster.backend=local)")

@@ -5,10 +5,12 @@ and :func:`transformer_lora_settings` (diffusers transformers), which turn ``eng
 peft's ``LoraConfig`` after checking every target against the model's layers (on a skeleton on
 the meta device, before any engine loads weights); adding an adapter to a model
 (:func:`with_adapter`: peft's ``get_peft_model`` wraps a causal LM; :func:`with_diffusers_adapter`:
-diffusers' ``add_adapter`` injects into a transformer in place); the adapter's live tensors under
+diffusers' ``add_adapter`` injects into a transformer in place; :func:`with_injected_adapter`:
+peft's ``inject_adapter_in_model`` into any module in place, the critic's decoder body); the adapter's live tensors under
 peft's own names (:func:`adapter_tensors`, :func:`load_adapter`) and what of a trainer's model syncs and fills its
 checkpoints, adapter or not (:class:`TrainedWeights`); dropout in the gradient forward only
-(:func:`adapter_dropout`); and the exports (:func:`save_adapter`, :func:`save_merged` for
+(:func:`adapter_dropout`); the KL reference of a LoRA run, the base with the adapter disabled
+(:class:`BaseModelReference`); and the exports (:func:`save_adapter`, :func:`save_merged` for
 causal LMs; :func:`save_diffusers_adapter`, :func:`merged_transformer` for transformers). No LoRA
 layer is written here: peft's are used.
 
@@ -36,7 +38,7 @@ from __future__ import annotations
 
 import copy
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -45,6 +47,7 @@ import torch
 from torch import nn
 
 from tandem.core.config import ConfigError, LoraConfig
+from tandem.core.records import Trajectory
 from tandem.param_sync import unique_weights
 
 if TYPE_CHECKING:
@@ -54,6 +57,7 @@ __all__ = [
     "CAUSAL_LM_TARGETS",
     "DIFFUSERS_TARGETS",
     "DIFFUSERS_WEIGHTS_FILE",
+    "BaseModelReference",
     "TrainedWeights",
     "adapter_dropout",
     "adapter_tensors",
@@ -66,6 +70,7 @@ __all__ = [
     "transformer_lora_settings",
     "with_adapter",
     "with_diffusers_adapter",
+    "with_injected_adapter",
 ]
 
 _LLAMA_LIKE = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -170,14 +175,18 @@ def _check_targets(
         )
 
 
-def with_adapter(model: nn.Module, settings: peft.LoraConfig) -> peft.PeftModel:
+def with_adapter(model: nn.Module, settings: peft.LoraConfig, *, seed: int | None = None) -> peft.PeftModel:
     """``model`` wrapped with a fresh adapter (peft's ``get_peft_model``): the base frozen, the
-    adapter's tensors requiring grad."""
+    adapter's tensors requiring grad. ``seed``: draw the adapter's A matrices from it (torch's
+    global generator left as it was), so every rank of a trainer group starts from the same adapter;
+    None draws them from the global generator."""
     from peft import get_peft_model
 
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), torch.random.fork_rng(devices=[], enabled=seed is not None):
         # peft asks the model a deprecated transformers question; the answer is right, the warning noise.
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
+        if seed is not None:
+            torch.manual_seed(seed)
         return get_peft_model(model, settings)
 
 
@@ -186,6 +195,15 @@ def with_diffusers_adapter(transformer: nn.Module, settings: peft.LoraConfig) ->
     ``add_adapter``), returned in ``eval()`` mode: the base frozen, the adapter's tensors requiring grad."""
     transformer.add_adapter(settings)  # type: ignore[operator]
     return transformer.eval()  # the injected layers (the adapter's dropout) start in train mode
+
+
+def with_injected_adapter(model: nn.Module, settings: peft.LoraConfig) -> nn.Module:
+    """``model`` with a fresh adapter injected in place (peft's ``inject_adapter_in_model``: no
+    wrapper, so a module inside a larger one, the critic's decoder, stays where it is), returned in
+    ``eval()`` mode: the base frozen, the adapter's tensors requiring grad."""
+    from peft import inject_adapter_in_model
+
+    return inject_adapter_in_model(settings, model).eval()
 
 
 def adapter_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -199,7 +217,10 @@ def adapter_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def load_adapter(model: nn.Module, adapter: Mapping[str, torch.Tensor]) -> None:
     """Copy ``adapter`` (tensors under :func:`adapter_tensors`' names) into ``model``'s adapter;
-    ``ValueError`` naming the difference unless it holds exactly this adapter's tensors."""
+    ``ValueError`` naming the difference unless it holds exactly this adapter's tensors. A sharded
+    model (FSDP2's DTensor parameters) keeps its own shard of each whole tensor given (no collective)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
     live = adapter_tensors(model)
     if adapter.keys() != live.keys():
         raise ValueError(
@@ -208,7 +229,10 @@ def load_adapter(model: nn.Module, adapter: Mapping[str, torch.Tensor]) -> None:
         )
     with torch.no_grad():
         for name, tensor in live.items():
-            tensor.copy_(adapter[name])
+            value = adapter[name]
+            if isinstance(tensor, DTensor):
+                value = distribute_tensor(value.to(tensor.dtype), tensor.device_mesh, tensor.placements, src_data_rank=None)
+            tensor.copy_(value)
 
 
 class TrainedWeights:
@@ -238,6 +262,21 @@ class TrainedWeights:
             load_adapter(self.model, state)
         else:
             self.model.load_state_dict(state)
+
+
+class BaseModelReference:
+    """A LoRA trainer's base model as a ``LogProbEngine``: its log-probs with the adapter disabled
+    (peft's ``disable_adapter``), scored by the trainer itself between its steps (``score_base``:
+    on the one-process trainer's worker thread, or by a trainer group's ranks), so the KL reference
+    costs no second copy of the base. Frozen: its version stays 0."""
+
+    version = 0
+
+    def __init__(self, score_base: Callable[[Sequence[Trajectory]], Awaitable[list[list[float]]]]) -> None:
+        self._score_base = score_base
+
+    async def logprobs(self, trajectories: Sequence[Trajectory]) -> list[list[float]]:
+        return await self._score_base(trajectories)
 
 
 @contextmanager

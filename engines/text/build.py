@@ -31,7 +31,7 @@ from tandem.core.protocols import SamplingParams, WeightSync
 from tandem.core.records import TaskItem
 from tandem.core.task import Task
 from tandem.engines.shared.chat import PromptEncoder, read_chat_template
-from tandem.engines.shared.lora import lora_settings, save_adapter, save_merged
+from tandem.engines.shared.lora import BaseModelReference, lora_settings, save_adapter, save_merged
 from tandem.engines.shared.probe import probed_in_process
 from tandem.engines.shared.tokenizer import load_tokenizer, vocabulary_difference
 from tandem.engines.shared.weight_sync import TorchWeightSync
@@ -40,7 +40,6 @@ from tandem.engines.text.workflow import SingleTurnWorkflow
 from tandem.engines.trainers.critic import TorchValueEngine
 from tandem.engines.trainers.torch_train import (
     TEACHER_STATE_FILE,
-    BaseModelReference,
     TorchLogProbEngine,
     TorchTrainEngine,
 )
@@ -166,13 +165,13 @@ def rollout_engine(config: TandemConfig, num_threads: int) -> HFRolloutEngine:
 def train_engine(config: TandemConfig, num_threads: int) -> TorchTrainEngine | TrainerGroup:
     """The trained policy a torch config describes, computing on ``num_threads`` threads per rank:
     a group of rank processes (``engines.trainers.group``) for several ranks, FSDP2 or megatron, else ``TorchTrainEngine``
-    (with ``engines.lora``: an adapter at ``engines.lora.lr``, its syncs probed)."""
+    (with ``engines.lora``, either: an adapter at ``engines.lora.lr``, its syncs probed)."""
     spec = config.engines
     assert isinstance(spec, TorchEnginesConfig)
     if spec.trainer_group is not None:
         from tandem.engines.trainers.group import RankSpec, TrainerGroup  # only group runs pay for it
 
-        ranks = RankSpec.from_config(config, str(resolve_model_path(spec.model_path)), num_threads)
+        ranks = RankSpec.from_config(config, str(resolve_model_path(spec.model_path)), num_threads, lora_of(config))
         return TrainerGroup.local(ranks, spec.train_world_size)
     lr = spec.lr if spec.lora is None or spec.lora.lr is None else spec.lora.lr
     return TorchTrainEngine(
@@ -198,7 +197,6 @@ def trainer_with_export(
     async def export(folder: Path) -> None:
         await asyncio.to_thread(save_checkpoint, engine, tokenizer, folder)
         if merged:
-            assert isinstance(engine, TorchTrainEngine)
             await asyncio.to_thread(save_merged_checkpoint, config, engine, tokenizer, folder / "merged")
 
     return engine, export
@@ -253,13 +251,16 @@ def teacher_engine(config: TandemConfig, path: Path, num_threads: int) -> TorchL
 
 def value_engine(config: TandemConfig, num_threads: int) -> TorchValueEngine:
     """The critic a torch config with a critic stage describes: the task's checkpoint's decoder
-    with a scalar head (``engines.trainers.critic``), trained at ``engines.critic_lr`` (default ``lr``)."""
+    with a scalar head (``engines.trainers.critic``), trained at ``engines.critic_lr`` (default
+    ``lr``); with ``engines.lora``, an adapter of its own on its decoder, with the head (default
+    rate ``engines.lora.lr``, then ``lr``)."""
     spec = config.engines
     assert isinstance(spec, TorchEnginesConfig)
+    lr = spec.critic_lr or (spec.lora.lr if spec.lora is not None and spec.lora.lr is not None else spec.lr)
     return TorchValueEngine(
-        str(resolve_model_path(spec.model_path)), lr=spec.critic_lr or spec.lr, device=spec.device,
+        str(resolve_model_path(spec.model_path)), lr=lr, device=spec.device,
         dtype=TORCH_DTYPES[spec.dtype], weight_decay=spec.weight_decay, max_grad_norm=spec.max_grad_norm,
-        max_tokens_per_micro_batch=spec.max_tokens_per_micro_batch, num_threads=num_threads,
+        max_tokens_per_micro_batch=spec.max_tokens_per_micro_batch, num_threads=num_threads, lora=lora_of(config),
     )
 
 
@@ -296,7 +297,7 @@ def prompt_budget(config: TandemConfig, tokenizer: Any) -> int:
 def save_checkpoint(engine: TorchTrainEngine | TrainerGroup, tokenizer: Any, folder: Path) -> None:
     """Export the trainer's weights and tokenizer, loadable by ``from_pretrained``; a LoRA
     trainer's adapter in peft's format instead, loadable by ``PeftModel.from_pretrained`` on the
-    base. The optimizer and everything else a resume needs are in the run's resumable
+    base (a group's rank 0 writes either). The optimizer and everything else a resume needs are in the run's resumable
     checkpoints (``core.checkpoint``), not here."""
     folder.mkdir(parents=True, exist_ok=True)
     if isinstance(engine, TorchTrainEngine) and engine.lora is not None:
@@ -308,12 +309,19 @@ def save_checkpoint(engine: TorchTrainEngine | TrainerGroup, tokenizer: Any, fol
     tokenizer.save_pretrained(folder)
 
 
-def save_merged_checkpoint(config: TandemConfig, engine: TorchTrainEngine, tokenizer: Any, folder: Path) -> None:
+def save_merged_checkpoint(
+    config: TandemConfig, engine: TorchTrainEngine | TrainerGroup, tokenizer: Any, folder: Path
+) -> None:
     """Export the base with the trainer's adapter merged in (``engines.lora.export_merged``) and
-    the tokenizer, loadable by plain ``from_pretrained``."""
+    the tokenizer, loadable by plain ``from_pretrained``; a group's adapter is gathered from its ranks."""
     spec = config.engines
     assert isinstance(spec, TorchEnginesConfig) and engine.lora is not None
-    save_merged(resolve_model_path(spec.model_path), engine.lora, engine.state_dict()["model"], folder, TORCH_DTYPES[spec.dtype])
+    if isinstance(engine, TorchTrainEngine):
+        adapter = engine.state_dict()["model"]
+    else:
+        with engine.weights_for_sync() as (_, staged):
+            adapter = {name: t.clone() for name, t in staged.items()}
+    save_merged(resolve_model_path(spec.model_path), engine.lora, adapter, folder, TORCH_DTYPES[spec.dtype])
     tokenizer.save_pretrained(folder)
 
 
@@ -338,7 +346,7 @@ def embedded_rollout(
             return rollout, TorchWeightSync.in_process(
                 trainer, rollout, produce_bucket_mb=ps.produce_bucket_mb, consume_bucket_mb=ps.consume_bucket_mb
             )
-        assert isinstance(trainer, TorchTrainEngine) and trainer.probe is not None
+        assert trainer.probe is not None
         return rollout, probed_in_process(
             trainer, rollout, trainer.probe, max_gap=spec.lora.max_gap(spec.dtype), what="the adapter",
             produce_bucket_mb=ps.produce_bucket_mb, consume_bucket_mb=ps.consume_bucket_mb,
@@ -366,7 +374,6 @@ def build_torch_components(
     engine, checkpoint = trainer_with_export(config, train_threads, tokenizer)
     reference: TorchLogProbEngine | BaseModelReference | None = None
     if "ref_logp" in config.flow.stages and spec.lora is not None:
-        assert isinstance(engine, TorchTrainEngine)
         reference = engine.base_reference()  # the base, adapter disabled: no second copy of the model
     elif "ref_logp" in config.flow.stages:
         reference = reference_engine(config, train_threads)

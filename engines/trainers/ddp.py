@@ -12,7 +12,9 @@ Invariants:
   start (as torch DDP does) and after every restore, and every step applies the same summed
   gradient (the group checks the ranks' gradient norms agree);
 - a checkpoint is the one-process trainer's (``TorchTrainEngine``: ``trainer.pt``, the same
-  keys), written by rank 0, so a run moves between one process and any number of ranks.
+  keys), written by rank 0, so a run moves between one process and any number of ranks;
+- with a LoRA adapter (``RankSpec.lora``) only the adapter trains and is reduced; what syncs and
+  fills the checkpoints is the one-process trainer's (``engines.shared.lora.TrainedWeights``).
 """
 
 from __future__ import annotations
@@ -28,19 +30,20 @@ from transformers import AutoModelForCausalLM
 
 from tandem.core.protocols import LossObjective
 from tandem.core.records import Trajectory
+from tandem.engines.shared.lora import TrainedWeights, adapter_dropout, with_adapter
 from tandem.engines.shared.microbatch import MicroBatch, response_logprobs
+from tandem.engines.shared.probe import probe_logprobs
 from tandem.engines.trainers.group import RankSpec, join_rank_group, rank_optimizer
 from tandem.engines.trainers.loss_loop import StepTotals, accumulate, score
 from tandem.engines.trainers.state import TRAINER_STATE_FILE, load_trainer_state, restore_trainer_state, save_trainer_state
-from tandem.param_sync import unique_weights
 
 __all__ = ["DDPRank", "all_reduce_gradients", "broadcast_parameters"]
 
 
 
 class DDPRank:
-    """One data-parallel torch rank (a ``engines.trainers.group.RankEngine``): the model, AdamW with
-    ``TorchTrainEngine``'s schedule, and the gradient all-reduce."""
+    """One data-parallel torch rank (a ``engines.trainers.group.RankEngine``; an ``AdapterRank``
+    too): the model, AdamW with ``TorchTrainEngine``'s schedule, and the gradient all-reduce."""
 
     state_file = TRAINER_STATE_FILE
 
@@ -52,7 +55,10 @@ class DDPRank:
         self._group = dist.distributed_c10d._get_default_group()
         self.version = 0
         model = AutoModelForCausalLM.from_pretrained(spec.model_path, dtype=spec.torch_dtype)
+        if spec.lora is not None:
+            model = with_adapter(model, spec.lora, seed=spec.seed)
         self._model = model.to(device).eval()
+        self._weights = TrainedWeights(self._model, adapted=spec.lora is not None)
         broadcast_parameters(self._model, self._group)
         self._optimizer, self._scheduler = rank_optimizer(spec, self._model)
 
@@ -67,14 +73,22 @@ class DDPRank:
         # No collective in a forward: no filler passes needed.
         return score(samples, self._forward, max_tokens=self._spec.max_tokens_per_micro_batch, device=self._device)
 
+    def score_base(self, samples: list[Trajectory], passes: int) -> tuple[list[list[float]], list[list[float]]]:
+        with self._model.disable_adapter():  # type: ignore[operator]
+            return self.score(samples, passes)
+
+    def probe(self, token_ids: list[int]) -> list[float]:
+        return probe_logprobs(self._model, token_ids)
+
     def accumulate(
         self, samples: list[Trajectory], objective: LossObjective, totals: StepTotals, passes: int, progress: float
     ) -> tuple[dict[str, float], int]:
-        return accumulate(
-            samples, self._forward, objective, totals,
-            max_tokens=self._spec.max_tokens_per_micro_batch, device=self._device, version=self.version,
-            progress=progress,
-        )  # fmt: skip
+        with adapter_dropout(self._model):  # a no-op without an adapter or its dropout
+            return accumulate(
+                samples, self._forward, objective, totals,
+                max_tokens=self._spec.max_tokens_per_micro_batch, device=self._device, version=self.version,
+                progress=progress,
+            )  # fmt: skip
 
     def step(self) -> float:
         all_reduce_gradients(self._model, self._group)
@@ -92,15 +106,15 @@ class DDPRank:
 
     def gather(self) -> Iterator[tuple[str, torch.Tensor]]:
         if self._rank == 0:  # every replica holds the whole model: rank 0's is enough
-            yield from unique_weights(self._model).items()
+            yield from self._weights.synced().items()
 
     def save(self, path: Path) -> None:
         if self._rank == 0:
-            save_trainer_state(path, self._model.state_dict(), self._optimizer, self._scheduler, self.version)
+            save_trainer_state(path, self._weights.state(), self._optimizer, self._scheduler, self.version)
 
     def load(self, path: Path) -> None:
         self.version = restore_trainer_state(
-            load_trainer_state(path), self._model.load_state_dict, self._optimizer, self._scheduler
+            load_trainer_state(path), self._weights.load, self._optimizer, self._scheduler
         )
 
     def close(self) -> None:

@@ -17,7 +17,11 @@ Invariants:
   the sharded accumulators, so no rank ever holds a whole model's gradient;
 - the model stays in ``eval()`` mode, as ``TorchTrainEngine``'s: no dropout in recomputed log-probs;
 - checkpoints hold full (unsharded) model and optimizer state dicts keyed by parameter name,
-  written by rank 0 and loadable by a group of any size.
+  written by rank 0 and loadable by a group of any size;
+- with a LoRA adapter (``RankSpec.lora``) peft wraps the model before it is sharded: frozen base
+  and trained adapter share each layer's shards, only the adapter's get gradients and optimizer
+  state; gathers, checkpoints and exports carry the adapter's tensors alone (peft's saved names),
+  gathered tensor by tensor, so the base never moves whole.
 """
 
 from __future__ import annotations
@@ -37,12 +41,14 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 from transformers import AutoModelForCausalLM
 
 from tandem.core.protocols import LossObjective
 from tandem.core.records import Trajectory
+from tandem.engines.shared.lora import adapter_dropout, adapter_tensors, load_adapter, with_adapter
 from tandem.engines.shared.microbatch import MicroBatch, response_logprobs
+from tandem.engines.shared.probe import probe_logprobs
 from tandem.engines.trainers.group import RankSpec, join_rank_group, rank_optimizer
 from tandem.engines.trainers.loss_loop import StepTotals, accumulate, score
 from tandem.param_sync import unique_weights
@@ -68,7 +74,7 @@ def shard_model(model: torch.nn.Module, mesh: torch.distributed.device_mesh.Devi
 
 
 class FSDPRank:
-    """One FSDP2 rank (a ``engines.trainers.group.RankEngine``)."""
+    """One FSDP2 rank (a ``engines.trainers.group.RankEngine``; an ``AdapterRank`` too)."""
 
     state_file = "trainer_fsdp2.pt"
 
@@ -79,6 +85,8 @@ class FSDPRank:
         self._device = device
         self.version = 0
         model = AutoModelForCausalLM.from_pretrained(spec.model_path, dtype=spec.torch_dtype)
+        if spec.lora is not None:
+            model = with_adapter(model, spec.lora, seed=spec.seed)
         self._model = model.to(device).eval()
         shard_model(self._model, init_device_mesh(device.type, (world_size,)))
         self._optimizer, self._scheduler = rank_optimizer(spec, self._model)
@@ -99,14 +107,24 @@ class FSDPRank:
         self._model.reshard()  # type: ignore[operator]
         return scored
 
+    def score_base(self, samples: list[Trajectory], passes: int) -> tuple[list[list[float]], list[list[float]]]:
+        with self._model.disable_adapter():  # type: ignore[operator]
+            return self.score(samples, passes)
+
+    def probe(self, token_ids: list[int]) -> list[float]:
+        logprobs = probe_logprobs(self._model, token_ids)
+        self._model.reshard()  # type: ignore[operator]  # as after score's forwards
+        return logprobs
+
     def accumulate(
         self, samples: list[Trajectory], objective: LossObjective, totals: StepTotals, passes: int, progress: float
     ) -> tuple[dict[str, float], int]:
-        return accumulate(
-            samples, self._forward, objective, totals,
-            max_tokens=self._spec.max_tokens_per_micro_batch, device=self._device, version=self.version,
-            progress=progress, passes=passes,
-        )  # fmt: skip
+        with adapter_dropout(self._model):  # a no-op without an adapter or its dropout
+            return accumulate(
+                samples, self._forward, objective, totals,
+                max_tokens=self._spec.max_tokens_per_micro_batch, device=self._device, version=self.version,
+                progress=progress, passes=passes,
+            )  # fmt: skip
 
     def step(self) -> float:
         # The gradients were reduce-scattered in each backward: the norm is all-reduced from the shards.
@@ -124,6 +142,9 @@ class FSDPRank:
         self._optimizer.zero_grad(set_to_none=True)
 
     def gather(self) -> Iterator[tuple[str, torch.Tensor]]:
+        if self._spec.lora is not None:
+            yield from self._adapter().items()
+            return
         # One all-gather per sharded module (a layer, the root), not one per tensor: gloo pays a
         # round trip per collective. Each module is sharded again before the next is gathered.
         # Parameter names are the model's own (a tied weight once, under its first name).
@@ -145,7 +166,10 @@ class FSDPRank:
 
     def save(self, path: Path) -> None:
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # gathered on rank 0 only
-        model = get_model_state_dict(self._model, options=options)
+        if self._spec.lora is not None:
+            model = {name: t.cpu() for name, t in self._adapter().items()}
+        else:
+            model = get_model_state_dict(self._model, options=options)
         # Before the first step there is nothing to save, and torch's getter would first take a
         # zero step (Adam's count 1) to create the state: the next real step would be off.
         optimizer = get_optimizer_state_dict(self._model, self._optimizer, options=options) if self._optimizer.state else None
@@ -163,7 +187,10 @@ class FSDPRank:
         # Every rank reads the full state and keeps its own shard of it.
         state = torch.load(path, map_location="cpu", weights_only=True)
         options = StateDictOptions(full_state_dict=True)
-        set_model_state_dict(self._model, state["model"], options=options)
+        if self._spec.lora is not None:
+            load_adapter(self._model, state["model"])  # refuses a whole model's or another adapter's
+        else:
+            set_model_state_dict(self._model, state["model"], options=options)
         if state["optimizer"] is not None:
             set_optimizer_state_dict(self._model, self._optimizer, state["optimizer"], options=options)
         else:  # saved before the first step
@@ -171,6 +198,37 @@ class FSDPRank:
         self._scheduler.load_state_dict(state["scheduler"])
         self.version = state["version"]
         torch.set_rng_state(state["rng"])
+
+    def _adapter(self) -> dict[str, torch.Tensor]:
+        """The adapter's whole tensors under peft's saved names, on every rank, from one all-gather of
+        the adapter's shards alone (gathering the layers would move the base too).
+
+        Why not ``full_tensor()`` per tensor: gloo pays a round trip per collective, and an adapter
+        has two tensors per adapted layer (the shipped model's 56 over 2 ranks: a staged gather took
+        68 ms so, 16 ms this way, as long as the whole model's by layers). FSDP2 shards each tensor on
+        dim 0 as ``torch.chunk`` does (``ceil(rows / N)`` rows per rank, the last ones shorter):
+        each shard travels as bytes, padded to that size, so mixed dtypes share the one buffer unchanged.
+        """
+        world = dist.get_world_size()
+        adapter = adapter_tensors(self._model)
+        layout, pieces = [], []
+        for name, tensor in adapter.items():
+            assert isinstance(tensor, DTensor) and tensor.placements == (Shard(0),), name
+            local = tensor.to_local().detach()
+            rows = -(-tensor.shape[0] // world)
+            padded = local.new_zeros((rows, *tensor.shape[1:]))
+            padded[: local.shape[0]] = local
+            pieces.append(padded.reshape(-1).view(torch.uint8))
+            layout.append((name, tensor, rows, pieces[-1].numel()))
+        flat = torch.cat(pieces)
+        shards = [torch.empty_like(flat) for _ in range(world)]
+        dist.all_gather(shards, flat)
+        whole, offset = {}, 0
+        for name, tensor, rows, nbytes in layout:
+            parts = [shard[offset : offset + nbytes].view(tensor.dtype).view(rows, *tensor.shape[1:]) for shard in shards]
+            whole[name] = torch.cat(parts)[: tensor.shape[0]]
+            offset += nbytes
+        return whole
 
     def close(self) -> None:
         dist.destroy_process_group()

@@ -31,6 +31,15 @@ rank 0 copies them into its *staging* buffer, allocated at the first gather. Ran
 put the staging in shared memory, so the driver's ``weights_for_sync`` reads it without a copy;
 on Ray, rank 0's actor sends the staging to the rollout actors itself.
 
+With a LoRA adapter (``RankSpec.lora``; FSDP2 and DDP ranks, :class:`AdapterRank`) every rank
+wraps its model with peft before sharding it, the adapter's A drawn from ``RankSpec.seed`` on
+every rank; only the adapter trains and sits in the optimizer; a gather, the staging, the
+checkpoints and the export hold the adapter's tensors alone, under peft's saved names
+(``engines.shared.lora``). The KL reference is the base with the adapter disabled, scored by the
+ranks (:meth:`TrainerGroup.base_reference`); the driver records the probe's log-probs at every
+version the group reaches (:attr:`TrainerGroup.probe`), as the one-process trainer does under its
+weights lock, for the sync's proof of arrival (``engines.shared.probe``).
+
 Invariants:
 - one version for the group: it moves by one per train step, only after every rank took the
   step's last optimizer step;
@@ -42,7 +51,9 @@ Invariants:
   then on: the dead rank's shard of the optimizer state is gone, so a run goes on only from a
   checkpoint, with any number of ranks (checkpoints hold full, unsharded tensors);
 - the driver talks to the ranks from one worker thread, so steps, scoring, gathers and
-  checkpoints never interleave and the flow's event loop only awaits.
+  checkpoints never interleave and the flow's event loop only awaits; a probe record of a
+  version is written on that thread in the job that made the version (a train step, a restore),
+  so no gather of the version can run before it is there.
 """
 
 from __future__ import annotations
@@ -65,7 +76,7 @@ from multiprocessing.connection import Connection, wait
 from multiprocessing.context import BaseContext
 from multiprocessing.process import BaseProcess
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -74,13 +85,19 @@ from tandem.algorithms.metrics import merge_metric_sums
 from tandem.core.config import TandemConfig, TorchEnginesConfig, import_named
 from tandem.core.protocols import LossObjective
 from tandem.core.records import Trajectory
+from tandem.engines.shared.lora import BaseModelReference, save_adapter, with_adapter
 from tandem.engines.shared.microbatch import token_payload
+from tandem.engines.shared.probe import ProbeRecord, probe_sequence
 from tandem.engines.shared.threads import ClosesOnAThread, apply_thread_budget
 from tandem.engines.trainers.loss_loop import StepTotals, check_trainable, micro_batch_plan
 from tandem.engines.trainers.optimizer_steps import step_parts, take_optimizer_steps
 
+if TYPE_CHECKING:
+    import peft
+
 __all__ = [
     "RANK_ENGINES",
+    "AdapterRank",
     "LocalRanks",
     "RankEngine",
     "RankServer",
@@ -152,19 +169,24 @@ class RankSpec:
     max_tokens_per_micro_batch: int
     num_threads: int
     tensor_parallel_size: int = 1
-    seed: int = 0
+    seed: int = 0  # also draws a LoRA adapter's A, the same on every rank
+    lora: peft.LoraConfig | None = None  # train this adapter on the frozen base (an AdapterRank engine)
 
     @classmethod
-    def from_config(cls, config: TandemConfig, model_path: str, num_threads: int) -> RankSpec:
-        """The ranks a torch config describes (``engines.trainers.group`` names their engine)."""
+    def from_config(
+        cls, config: TandemConfig, model_path: str, num_threads: int, lora: peft.LoraConfig | None = None
+    ) -> RankSpec:
+        """The ranks a torch config describes (``engines.trainers.group`` names their engine);
+        ``lora``: peft's settings for ``engines.lora``, trained at ``engines.lora.lr``."""
         spec = config.engines
         assert isinstance(spec, TorchEnginesConfig) and spec.trainer_group is not None
+        lr = spec.lora.lr if lora is not None and spec.lora is not None and spec.lora.lr is not None else spec.lr
         return cls(
             engine=spec.trainer_group, model_path=model_path, device=spec.device, dtype=spec.dtype,
-            temperature=config.rollout.temperature, lr=spec.lr, weight_decay=spec.weight_decay,
+            temperature=config.rollout.temperature, lr=lr, weight_decay=spec.weight_decay,
             warmup_steps=spec.warmup_steps, max_grad_norm=spec.max_grad_norm,
             max_tokens_per_micro_batch=spec.max_tokens_per_micro_batch, num_threads=num_threads,
-            tensor_parallel_size=spec.tensor_parallel_size, seed=config.run.seed,
+            tensor_parallel_size=spec.tensor_parallel_size, seed=config.run.seed, lora=lora,
         )  # fmt: skip
 
     @property
@@ -186,8 +208,10 @@ def join_rank_group(*, rank: int, world_size: int, init_method: str, device: tor
 
 
 def rank_optimizer(spec: RankSpec, model: torch.nn.Module) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
-    """AdamW and the warm-up schedule of ``TorchTrainEngine``, from the spec, over ``model``'s parameters."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=spec.weight_decay)
+    """AdamW and the warm-up schedule of ``TorchTrainEngine``, from the spec, over ``model``'s
+    trained parameters (all of them, or an adapter's alone: its state stays the adapter's size)."""
+    trained = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trained, lr=spec.lr, weight_decay=spec.weight_decay)
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: spec.lr_factor(step))
 
 
@@ -230,13 +254,15 @@ class RankEngine(Protocol):
     def drop_gradients(self) -> None: ...
 
     def gather(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Full HF-named weights (each storage once, ``param_sync.unique_weights``' names), walked by every
+        """Full HF-named weights (each storage once, ``param_sync.unique_weights``' names), or with
+        ``RankSpec.lora`` the adapter's whole tensors under peft's saved names, walked by every
         rank to the end; ranks that take no part in the gather yield nothing. A yielded tensor is
         valid until the next one is asked for (an engine may free it then): copy what must stay."""
         ...
 
     def save(self, path: Path) -> None:
-        """Write full (unsharded) weights, optimizer state, schedule and version to ``path`` (rank 0 writes)."""
+        """Write full (unsharded) weights (an adapter's alone), optimizer state, schedule and version
+        to ``path`` (rank 0 writes)."""
         ...
 
     def load(self, path: Path) -> None:
@@ -246,16 +272,39 @@ class RankEngine(Protocol):
     def close(self) -> None: ...
 
 
-def save_hf_folder(model_path: str, tensors: dict[str, torch.Tensor], folder: Path) -> None:
+@runtime_checkable
+class AdapterRank(Protocol):
+    """A rank engine that trains a LoRA adapter (``RankSpec.lora``): its ``gather``, ``save`` and
+    ``load`` carry the adapter alone; it also scores the base and the weight probe."""
+
+    def score_base(self, samples: list[Trajectory], passes: int) -> tuple[list[list[float]], list[list[float]]]:
+        """As ``score``, with the adapter disabled: the KL reference."""
+        ...
+
+    def probe(self, token_ids: list[int]) -> list[float]:
+        """The probe's log-probs under the current weights (``engines.shared.probe.probe_logprobs``);
+        a collective where a forward is (every rank calls it)."""
+        ...
+
+
+def save_hf_folder(
+    model_path: str, tensors: dict[str, torch.Tensor], folder: Path, lora: peft.LoraConfig | None = None
+) -> None:
     """Write ``tensors`` (full HF-named weights) as a Hugging Face model folder with ``model_path``'s
-    config, loadable by ``from_pretrained``; the architecture is built on the meta device (no copy)."""
+    config, loadable by ``from_pretrained``; with ``lora``, ``tensors`` is the adapter (peft's saved
+    names), written in peft's format (``PeftModel.from_pretrained`` on the base). The architecture
+    is built on the meta device (no copy)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(model_path)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     folder.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(folder, state_dict={name: t.detach().cpu() for name, t in tensors.items()})
+    state = {name: t.detach().cpu() for name, t in tensors.items()}
+    if lora is None:
+        model.save_pretrained(folder, state_dict=state)
+    else:
+        save_adapter(with_adapter(model, lora), state, folder)
 
 
 # ---------------------------------------------------------------- messages: driver -> rank
@@ -265,6 +314,7 @@ def save_hf_folder(model_path: str, tensors: dict[str, torch.Tensor], folder: Pa
 class Score:
     samples: list[Trajectory]
     passes: int
+    base: bool = False  # with the adapter disabled (an AdapterRank's KL reference)
 
 
 @dataclass(slots=True)
@@ -291,6 +341,13 @@ class Publish:
 @dataclass(slots=True)
 class Gather:
     """Gather the full weights; rank 0 copies them into its staging."""
+
+
+@dataclass(slots=True)
+class Probe:
+    """Score the weight probe's token ids under the current weights (an AdapterRank)."""
+
+    token_ids: list[int]
 
 
 @dataclass(slots=True)
@@ -351,6 +408,11 @@ class Gathered:
 @dataclass(slots=True)
 class Done:
     version: int
+
+
+@dataclass(slots=True)
+class Probed:
+    logprobs: list[float]
 
 
 @dataclass(slots=True)
@@ -415,6 +477,11 @@ class RankServer:
         hf_logging.disable_progress_bar()  # a rank's loads and exports would interleave bars with the run's display
         apply_thread_budget(spec.num_threads)
         engine_class = import_named(RANK_ENGINES[spec.engine], "engines.train")
+        if spec.lora is not None and not issubclass(engine_class, AdapterRank):
+            raise ValueError(
+                f"engines.lora: {spec.engine} ranks train no adapter (engines.train=torch with engines.data_parallel=fsdp2 "
+                "or ddp do)"
+            )
         self.spec = spec
         self.rank = rank
         self.engine: RankEngine = engine_class(
@@ -434,8 +501,12 @@ class RankServer:
 
     def _handle(self, message: object) -> object:
         engine = self.engine
+        if isinstance(message, Score) and message.base:
+            return Scored(*self._adapter_rank().score_base(message.samples, message.passes))
         if isinstance(message, Score):
             return Scored(*engine.score(message.samples, message.passes))
+        if isinstance(message, Probe):
+            return Probed(self._adapter_rank().probe(message.token_ids))
         if isinstance(message, Accumulate):
             engine.drop_gradients()
             objective = pickle.loads(message.objective)
@@ -466,9 +537,15 @@ class RankServer:
             # Every rank walks the gather; rank 0 keeps copies (a yielded tensor lives one item).
             tensors = {name: t.detach().cpu().clone() for name, t in engine.gather() if self.rank == 0}
             if self.rank == 0:
-                save_hf_folder(self.spec.model_path, tensors, Path(message.folder))
+                save_hf_folder(self.spec.model_path, tensors, Path(message.folder), self.spec.lora)
             return Done(engine.version)
         raise TypeError(f"rank {self.rank}: unexpected message {message!r}")
+
+    def _adapter_rank(self) -> AdapterRank:
+        if self.spec.lora is None:
+            raise TypeError(f"rank {self.rank}: {type(self.engine).__name__} trains no LoRA adapter here")
+        assert isinstance(self.engine, AdapterRank)  # checked at the start
+        return self.engine
 
     def _gather(self) -> Gathered:
         with self._staging_lock:
@@ -718,7 +795,8 @@ class TrainerGroup(ClosesOnAThread):
 
     ``ranks`` are started here: the constructor waits until every rank has built its engine
     and joined the group (it raises ``TrainRankError`` naming a rank that could not). ``close()``
-    stops them.
+    stops them. With an adapter (``spec.lora``) it records the probe's log-probs at every version
+    in :attr:`probe` (the sync's proof of arrival; None without).
     """
 
     def __init__(self, ranks: LocalRanks | RayRanks, spec: RankSpec) -> None:
@@ -733,6 +811,7 @@ class TrainerGroup(ClosesOnAThread):
         self._staging: Staging | None = None
         self._staging_lock = threading.Lock()
         self._state_file = ""  # the rank engine's, from the ranks' first replies
+        self.probe = ProbeRecord(probe_sequence(_vocab_size(spec.model_path))) if spec.lora is not None else None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="train-group")
         try:
             self._on_worker_now(self._start)
@@ -752,6 +831,17 @@ class TrainerGroup(ClosesOnAThread):
     @property
     def version(self) -> int:
         return self._version
+
+    @property
+    def lora(self) -> peft.LoraConfig | None:
+        """The adapter's settings; None when every weight trains."""
+        return self._spec.lora
+
+    def base_reference(self) -> BaseModelReference:
+        """The base model, scored by the ranks with the adapter disabled: the KL reference of a LoRA run."""
+        if self._spec.lora is None:
+            raise ValueError("base_reference() needs an adapter: without one the trained model is no reference")
+        return BaseModelReference(self._base_logprobs)
 
     async def logprobs(self, trajectories: Sequence[Trajectory]) -> list[list[float]]:
         logprobs, _ = await self.logprobs_and_entropy(trajectories)
@@ -782,7 +872,7 @@ class TrainerGroup(ClosesOnAThread):
             raise FileNotFoundError(
                 f"{folder} has no {path.name}: it was written by another train engine (engines.train, engines.data_parallel)"
             )
-        await self._on_worker(self._all, lambda: Load(str(folder)), "load the checkpoint")
+        await self._on_worker(self._load, str(folder))
 
     def save_pretrained(self, folder: Path) -> None:
         """Export the weights as a Hugging Face model folder (rank 0 writes it). Blocks: from an event
@@ -818,6 +908,10 @@ class TrainerGroup(ClosesOnAThread):
         self._ranks.close(broken=self._broken is not None)
 
 
+    async def _base_logprobs(self, trajectories: Sequence[Trajectory]) -> list[list[float]]:
+        logprobs, _ = await self._on_worker(self._score, list(trajectories), True)
+        return logprobs
+
     # ------------------------------------------------------------ worker thread only
 
     async def _on_worker(self, fn: Callable[..., _T], *args: Any) -> _T:
@@ -839,6 +933,23 @@ class TrainerGroup(ClosesOnAThread):
                 raise self._broken
             assert isinstance(reply, Ready)
             self._state_file = reply.state_file
+        self._record_probe()
+
+    def _record_probe(self) -> None:
+        """The probe's log-probs at the group's current version, from rank 0 (every rank runs the
+        forward: it may be a collective)."""
+        if self.probe is None:
+            return
+        replies = self._exchange([Probe(self.probe.inputs) for _ in range(self.size)])
+        for rank, reply in enumerate(replies):
+            if isinstance(reply, Failed):  # the version has moved without its record: no sync could prove it
+                raise self._lost(rank, f"failed to score the weight probe:\n{reply.traceback}")
+        assert isinstance(replies[0], Probed)
+        self.probe.record(self._version, replies[0].logprobs)
+
+    def _load(self, folder: str) -> None:
+        self._all(lambda: Load(folder), "load the checkpoint")
+        self._record_probe()
 
     def _exchange(self, messages: Sequence[object]) -> list[object]:
         if self._broken is not None:
@@ -878,14 +989,14 @@ class TrainerGroup(ClosesOnAThread):
         """Each rank gets its replica's item (tensor-parallel ranks are adjacent: megatron's order)."""
         return [per_replica[rank // self._spec.tensor_parallel_size] for rank in range(self.size)]
 
-    def _score(self, samples: list[Trajectory]) -> tuple[list[list[float]], list[list[float]]]:
+    def _score(self, samples: list[Trajectory], base: bool = False) -> tuple[list[list[float]], list[list[float]]]:
         logprobs: list[list[float]] = [[] for _ in samples]
         entropies: list[list[float]] = [[] for _ in samples]
         scored = [i for i, s in enumerate(samples) if s.num_actions > 0]
         if not scored:
             return logprobs, entropies
         shares, passes = self._shares(samples, scored)
-        replies = self._exchange(self._per_rank([Score([samples[i] for i in share], passes) for share in shares]))
+        replies = self._exchange(self._per_rank([Score([samples[i] for i in share], passes, base) for share in shares]))
         for rank, reply in enumerate(replies):
             if isinstance(reply, Failed):
                 raise TrainRankError(rank, f"failed to score:\n{reply.traceback}")
@@ -922,6 +1033,7 @@ class TrainerGroup(ClosesOnAThread):
 
         metrics = take_optimizer_steps(parts, optimizer_step, version=self._version)
         self._all(Publish, "publish the version")
+        self._record_probe()
         return {
             **metrics,
             "tokens": float(sum(s.num_trained for s in samples)),
@@ -976,6 +1088,12 @@ class TrainerGroup(ClosesOnAThread):
         if head.staging is not None:
             self._staging = head.staging
         return head.version
+
+
+def _vocab_size(model_path: str) -> int:
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(model_path).vocab_size
 
 
 def free_address(host: str) -> str:

@@ -53,7 +53,7 @@ from transformers import AutoModelForCausalLM
 from tandem.algorithms.objective import LossMeanOver
 from tandem.core.protocols import LossObjective
 from tandem.core.records import Trajectory
-from tandem.engines.shared.lora import TrainedWeights, adapter_dropout, with_adapter
+from tandem.engines.shared.lora import BaseModelReference, TrainedWeights, adapter_dropout, with_adapter
 from tandem.engines.shared.microbatch import MicroBatch, response_logprobs
 from tandem.engines.shared.probe import ProbeRecord, probe_logprobs, probe_sequence
 from tandem.engines.shared.threads import ClosesOnAThread, budgeted_executor
@@ -68,7 +68,6 @@ __all__ = [
     "REFERENCE_STATE_FILE",
     "TEACHER_STATE_FILE",
     "TRAINER_STATE_FILE",
-    "BaseModelReference",
     "TorchLogProbEngine",
     "TorchTrainEngine",
 ]
@@ -286,7 +285,7 @@ class TorchTrainEngine(_TorchModelEngine):
         """The base model, scored with the adapter disabled: the KL reference of a LoRA run."""
         if self._lora is None:
             raise ValueError("base_reference() needs an adapter: without one the trained model is no reference")
-        return BaseModelReference(self)
+        return BaseModelReference(self._base_logprobs)
 
     def state_dict(self) -> dict[str, Any]:
         """A deep copy of model, optimizer, schedule and version, taken after queued work finishes.
@@ -307,6 +306,10 @@ class TorchTrainEngine(_TorchModelEngine):
     async def load_state(self, folder: Path) -> None:
         """Restore what :meth:`save_state` wrote."""
         await self._on_worker(self._load, Path(folder) / TRAINER_STATE_FILE)
+
+    async def _base_logprobs(self, trajectories: Sequence[Trajectory]) -> list[list[float]]:
+        logprobs, _ = await self._on_worker(self._score_base, trajectories)
+        return logprobs
 
     # ------------------------------------------------------------------ worker thread only
 
@@ -375,18 +378,3 @@ class TorchTrainEngine(_TorchModelEngine):
         self._version += 1
         self._record_probe()
 
-
-class BaseModelReference:
-    """A LoRA trainer's base model as a ``LogProbEngine``: its log-probs with the adapter disabled
-    (peft's ``disable_adapter``), computed on the trainer's worker thread between its steps, so
-    the KL reference costs no second copy of the base. Frozen: its version stays 0."""
-
-    version = 0
-
-    def __init__(self, trainer: TorchTrainEngine) -> None:
-        self._trainer = trainer
-
-    async def logprobs(self, trajectories: Sequence[Trajectory]) -> list[list[float]]:
-        trainer = self._trainer
-        logprobs, _ = await trainer._on_worker(trainer._score_base, trajectories)
-        return logprobs

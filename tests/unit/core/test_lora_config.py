@@ -32,9 +32,7 @@ def test_the_defaults_train_rank_8_at_the_engines_lr_with_the_probe_on() -> None
     [
         ({"engines": {"rollout": "vllm"}}, r"engines.lora with engines.rollout=vllm: .*embedded"),
         ({"engines": {"rollout": "server"}}, r"engines.lora with engines.rollout=server"),
-        ({"engines": {"data_parallel": "fsdp2"}}, r"engines.lora with .*engines.data_parallel=fsdp2"),
-        ({"engines": {"train": "megatron"}}, r"engines.lora with engines.train=megatron"),
-        ({"engines": {"train_world_size": 2}}, r"engines.lora with .*engines.train_world_size=2"),
+        ({"engines": {"train": "megatron"}}, r"engines.lora with engines.train=megatron: .*engines.data_parallel=fsdp2 or ddp"),
         ({"cluster": {"backend": "ray"}}, r"engines.lora with cluster.backend=ray"),
         ({"engines": {"lora": {"target_modules": []}}}, r"engines.lora.target_modules: give at least one"),
         ({"engines": {"lora": {"rank": 0}}}, r"lora.rank: Input should be greater than or equal to 1"),
@@ -44,6 +42,13 @@ def test_the_defaults_train_rank_8_at_the_engines_lr_with_the_probe_on() -> None
 def test_what_adapters_do_not_support_is_refused_naming_the_fields(sections: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         config(**sections)
+
+
+@pytest.mark.parametrize(
+    "engines", [{"data_parallel": "fsdp2"}, {"data_parallel": "fsdp2", "train_world_size": 2}, {"train_world_size": 2}]
+)
+def test_adapters_train_on_fsdp2_and_ddp_trainer_groups(engines: dict[str, Any]) -> None:
+    assert config(engines=engines).engines.lora is not None
 
 
 def test_the_image_workload_takes_an_adapter_and_its_refusals_name_the_fields() -> None:

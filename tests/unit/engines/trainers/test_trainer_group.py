@@ -10,6 +10,7 @@ from __future__ import annotations
 import multiprocessing
 import pickle
 from collections.abc import Sequence
+from dataclasses import replace
 from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from tandem.engines.trainers.group import (
     Done,
     Failed,
     Publish,
+    RankServer,
     RankSpec,
     Ready,
     Staging,
@@ -71,6 +73,16 @@ def test_the_config_names_the_rank_engine_of_a_group() -> None:
     spec = RankSpec.from_config(megatron, "/models/m", num_threads=3)
     assert (spec.engine, spec.model_path, spec.num_threads, spec.tensor_parallel_size) == ("megatron", "/models/m", 3, 2)
     assert (spec.lr, spec.temperature, spec.seed) == (megatron.engines.lr, megatron.rollout.temperature, megatron.run.seed)
+
+
+def test_a_lora_group_trains_at_the_adapters_rate_and_megatron_ranks_refuse_an_adapter() -> None:
+    settings = object()  # peft's LoraConfig in a run; the spec only carries it to the ranks
+    fsdp2 = validate_config(config(data_parallel="fsdp2", train_world_size=2, lora={"lr": 1e-3}))
+    spec = RankSpec.from_config(fsdp2, "/models/m", num_threads=1, lora=settings)  # type: ignore[arg-type]
+    assert (spec.engine, spec.lr, spec.lora) == ("fsdp2", 1e-3, settings)
+    megatron = RankSpec.from_config(validate_config(config(train="megatron")), "/models/m", num_threads=1)
+    with pytest.raises(ValueError, match=r"engines.lora: megatron ranks train no adapter .*engines.data_parallel=fsdp2"):
+        RankServer(replace(megatron, lora=settings), rank=0, world_size=1, init_method="", local_rank=0, share_staging=False)
 
 
 def test_on_ray_every_group_of_train_ranks_runs_as_rank_actors_over_the_object_store() -> None:
