@@ -4,7 +4,7 @@ With it the torch engines train a peft LoRA adapter on the frozen base model (th
 text workload, the transformer of the image workload's generator) instead of every weight: only
 the adapter's tensors train, sit in the optimizer, travel to the rollout engine and fill the
 checkpoints. What is refused here is what was not built for adapters (trainer
-groups, rollout engines other than the embedded one, Ray): each rule names the fields.
+groups, rollout engines other than the embedded one and ``tandem serve``, Ray): each rule names the fields.
 """
 
 from __future__ import annotations
@@ -83,10 +83,10 @@ def check_lora(config: TandemConfig) -> None:
     engines = config.engines
     if engines.type != "torch" or engines.lora is None:
         return
-    if engines.rollout != "embedded":
+    if engines.rollout not in ("embedded", "server"):
         raise ValueError(
             f"engines.lora with engines.rollout={engines.rollout}: adapter-only weight sync reaches the embedded "
-            "rollout engine only (engines.rollout=embedded)"
+            "rollout engine and tandem serve only (engines.rollout=embedded or server)"
         )
     if engines.trainer_group is not None:
         raise ValueError(

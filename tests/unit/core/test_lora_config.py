@@ -31,7 +31,7 @@ def test_the_defaults_train_rank_8_at_the_engines_lr_with_the_probe_on() -> None
     ("sections", "message"),
     [
         ({"engines": {"rollout": "vllm"}}, r"engines.lora with engines.rollout=vllm: .*embedded"),
-        ({"engines": {"rollout": "server"}}, r"engines.lora with engines.rollout=server"),
+        ({"engines": {"rollout": "vllm_server"}}, r"engines.lora with engines.rollout=vllm_server: .*embedded or server"),
         ({"engines": {"data_parallel": "fsdp2"}}, r"engines.lora with .*engines.data_parallel=fsdp2"),
         ({"engines": {"train": "megatron"}}, r"engines.lora with engines.train=megatron"),
         ({"engines": {"train_world_size": 2}}, r"engines.lora with .*engines.train_world_size=2"),
@@ -44,6 +44,10 @@ def test_the_defaults_train_rank_8_at_the_engines_lr_with_the_probe_on() -> None
 def test_what_adapters_do_not_support_is_refused_naming_the_fields(sections: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         config(**sections)
+
+
+def test_an_adapter_reaches_tandem_serve() -> None:
+    assert config(engines={"rollout": "server"}).engines.lora is not None
 
 
 def test_the_image_workload_takes_an_adapter_and_its_refusals_name_the_fields() -> None:
