@@ -236,6 +236,8 @@ class RolloutServer:
     async def generate(self, request: web.Request) -> web.StreamResponse:
         started = time.perf_counter()
         req: GenerateReqInput = await parse(request, GenerateReqInput, context=self.request_context)
+        if (unknown := self._unknown_adapter(req.lora_path)) is not None:
+            return error_response(400, unknown)
         single = (req.input_ids is not None and isinstance(req.input_ids[0], int)) or isinstance(req.text, str)
         prompts: list[list[int]]
         if req.input_ids is not None:
@@ -271,6 +273,13 @@ class RolloutServer:
                 return await self._generate_all(req, jobs, single and n == 1, started)
         except BusyError as exc:
             return busy_response(exc)
+
+    def _unknown_adapter(self, lora_path: str | list[str | None] | None) -> str | None:
+        """The error for a ``lora_path`` naming no loaded adapter (None: every name is loaded)."""
+        loaded = self.adapter.loaded if self.adapter is not None else {}
+        names = lora_path if isinstance(lora_path, list) else [lora_path]
+        unknown = next((name for name in names if name is not None and name not in loaded), None)
+        return None if unknown is None else f"lora_path: no adapter named {unknown!r} is loaded (loaded: {sorted(loaded)})"
 
     async def _generate_all(self, req: GenerateReqInput, jobs: list[tuple[str, GenerationRequest, SamplingParams, bool]],
                             single: bool, started: float) -> web.Response:

@@ -146,6 +146,10 @@ class GenerateReqInput(_Request):
     return_text_in_logprobs: bool = False
     stream: bool = False
     conversation_id: str | None = None
+    # The adapter to generate with, by its ``lora_name`` (per prompt in a batch). This server has
+    # one adapter slot, which every request uses: a name must be the loaded one; None is the slot
+    # as it is (sglang's None is the bare base).
+    lora_path: str | list[str | None] | None = None
 
     @model_validator(mode="after")
     def _one_input(self, info: ValidationInfo) -> GenerateReqInput:

@@ -129,6 +129,11 @@ async def test_load_and_unload_lora_adapter_take_sglangs_bodies_and_answers(mode
         assert (status, body) == (200, {"success": True, "error_message": None, "loaded_adapters": {"step1": str(folder)}})
         assert probe_gap(await probe(url, server, trainer), trained) < 1e-4
 
+        generate = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}}
+        assert (await post(url, "/generate", {**generate, "lora_path": "step1"}))[0] == 200  # as sglang's clients name it
+        status, body = await post(url, "/generate", {**generate, "lora_path": "other"})
+        assert status == 400 and "lora_path: no adapter named 'other' is loaded (loaded: ['step1'])" in str(body)
+
         status, body = await post(url, "/unload_lora_adapter", {"lora_name": "step1"})
         assert (status, body) == (200, {"success": True, "error_message": None, "loaded_adapters": {}})
         assert probe_gap(await probe(url, server, trainer), base) < 1e-6  # the base serves again
