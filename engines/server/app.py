@@ -6,9 +6,10 @@ with the endpoints of sglang's native API an RL trainer calls (``/generate`` wit
 ``/pause_generation`` and ``/continue_generation``; ``/update_weights_from_disk``,
 ``/update_weights_from_tensor``, ``/init_weights_update_group`` and
 ``/update_weights_from_distributed``; ``/flush_cache``; ``/health`` and ``/health_generate``;
-``/get_model_info``), with sglang's field names and semantics (``engines.server.schemas``),
-plus the shared-memory weight update and the OpenAI-compatible endpoints
-(``engines.server.openai_api``).
+``/get_model_info``; ``/load_lora_adapter`` and ``/unload_lora_adapter`` when started with an
+adapter, ``engines.server.lora``), with sglang's field names and semantics (``engines.server.schemas``),
+plus the shared-memory weight update, the weight probe's scoring and the OpenAI-compatible
+endpoints (``engines.server.openai_api``).
 
 How it differs from sglang, on purpose: weights change between two decode steps while requests
 keep running (the engine's ``swap`` load), so a weight update needs no pause and returns at
@@ -41,7 +42,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 from aiohttp import web
@@ -53,6 +54,7 @@ from tandem.engines.server.auth import ApiKeys, auth_middleware, check_bind
 from tandem.engines.server.engine import Partial, Running, ServedEngine
 from tandem.engines.server.http import error_body, error_response, parse
 from tandem.engines.server.limits import Admission, BusyError, ServerLimits, busy_response
+from tandem.engines.server.lora import AdapterRequestError, AdapterSlot
 from tandem.engines.server.options import ADMIN_KEY_ENV, API_KEY_ENV
 from tandem.engines.server.receive import WeightUpdates
 from tandem.engines.server.sampling import engine_request
@@ -61,13 +63,17 @@ from tandem.engines.server.schemas import (
     GenerateReqInput,
     GenerateResponse,
     InitWeightsUpdateGroupReqInput,
+    LoadLoRAAdapterReqInput,
     LoadReportBody,
     MetaInfo,
     ModelInfo,
     PauseGenerationReqInput,
+    ProbeReqInput,
+    ProbeResponse,
     SamplingParams,
     ShmMessage,
     SuccessResponse,
+    UnloadLoRAAdapterReqInput,
     UpdateWeightFromDiskReqInput,
     UpdateWeightsFromDistributedReqInput,
     UpdateWeightsFromTensorReqInput,
@@ -75,7 +81,11 @@ from tandem.engines.server.schemas import (
     manifest_from_json,
     request_context,
 )
+from tandem.engines.shared.lora import adapter_tensors
 from tandem.param_sync import LoadReport, Receiver
+
+if TYPE_CHECKING:
+    import peft
 
 __all__ = ["RolloutServer", "keys_from", "limits_from", "report_body", "run", "serve", "shm_transfer"]
 
@@ -88,7 +98,8 @@ class RolloutServer:
     :meth:`application`, stop with :meth:`close`."""
 
     def __init__(self, engine: ServedEngine, *, model_path: str, name: str, consume_bucket_mb: float, dist_timeout_s: float,
-                 keys: ApiKeys | None = None, limits: ServerLimits | None = None):
+                 keys: ApiKeys | None = None, limits: ServerLimits | None = None, lora: peft.LoraConfig | None = None):
+        """``lora``: the settings of the adapter ``engine`` was built with (None: no adapter)."""
         self.engine = engine
         self.tokenizer = engine._tokenizer
         self.model_path = model_path
@@ -103,6 +114,7 @@ class RolloutServer:
             weight_dirs=self.limits.weight_dirs or (Path(model_path),), group_addresses=self.limits.group_addresses,
             connect_timeout_s=self.limits.connect_timeout_s,
         )
+        self.adapter = AdapterSlot(lora, adapter_tensors(engine.model), self.updates) if lora is not None else None
         self.running: dict[str, Running] = {}
         self._unpaused = asyncio.Event()
         self._unpaused.set()
@@ -113,13 +125,13 @@ class RolloutServer:
     def create(cls, model_path: str, *, name: str = "tandem", device: str = "cpu", dtype: Any = None,
                max_batch_size: int = 64, num_threads: int = 1, resume_policy: str = "recompute",
                consume_bucket_mb: float = 64.0, dist_timeout_s: float = 600.0, keys: ApiKeys | None = None,
-               limits: ServerLimits | None = None) -> RolloutServer:
+               limits: ServerLimits | None = None, lora: peft.LoraConfig | None = None) -> RolloutServer:
         import torch
 
         engine = ServedEngine(model_path, device=device, dtype=dtype or torch.float32, max_batch_size=max_batch_size,
-                              num_threads=num_threads, resume_policy=resume_policy, load_mode="swap")
+                              num_threads=num_threads, resume_policy=resume_policy, load_mode="swap", lora=lora)
         return cls(engine, model_path=model_path, name=name, consume_bucket_mb=consume_bucket_mb,
-                   dist_timeout_s=dist_timeout_s, keys=keys, limits=limits)
+                   dist_timeout_s=dist_timeout_s, keys=keys, limits=limits, lora=lora)
 
     def application(self) -> web.Application:
         from tandem.engines.server.openai_api import add_openai_routes
@@ -136,6 +148,9 @@ class RolloutServer:
         r.add_post("/init_weights_update_group", self.init_weights_update_group)
         r.add_post("/update_weights_from_distributed", self.update_weights_from_distributed)
         r.add_post("/tandem/update_weights_from_shm", self.update_weights_from_shm)
+        r.add_post("/load_lora_adapter", self.load_lora_adapter)
+        r.add_post("/unload_lora_adapter", self.unload_lora_adapter)
+        r.add_post("/tandem/probe_logprobs", self.probe_logprobs)
         for method in ("GET", "POST"):
             r.add_route(method, "/flush_cache", self.flush_cache)
         r.add_get("/health", self.health)
@@ -221,6 +236,8 @@ class RolloutServer:
     async def generate(self, request: web.Request) -> web.StreamResponse:
         started = time.perf_counter()
         req: GenerateReqInput = await parse(request, GenerateReqInput, context=self.request_context)
+        if (unknown := self._unknown_adapter(req.lora_path)) is not None:
+            return error_response(400, unknown)
         single = (req.input_ids is not None and isinstance(req.input_ids[0], int)) or isinstance(req.text, str)
         prompts: list[list[int]]
         if req.input_ids is not None:
@@ -256,6 +273,13 @@ class RolloutServer:
                 return await self._generate_all(req, jobs, single and n == 1, started)
         except BusyError as exc:
             return busy_response(exc)
+
+    def _unknown_adapter(self, lora_path: str | list[str | None] | None) -> str | None:
+        """The error for a ``lora_path`` naming no loaded adapter (None: every name is loaded)."""
+        loaded = self.adapter.loaded if self.adapter is not None else {}
+        names = lora_path if isinstance(lora_path, list) else [lora_path]
+        unknown = next((name for name in names if name is not None and name not in loaded), None)
+        return None if unknown is None else f"lora_path: no adapter named {unknown!r} is loaded (loaded: {sorted(loaded)})"
 
     async def _generate_all(self, req: GenerateReqInput, jobs: list[tuple[str, GenerationRequest, SamplingParams, bool]],
                             single: bool, started: float) -> web.Response:
@@ -453,6 +477,42 @@ class RolloutServer:
         # a failed transfer (a malformed or cut-short message, bytes that fail their checksum) is the request's fault
         return web.json_response(LoadReportBody(**report_body(report)).model_dump(), status=200 if report.ok else 400)
 
+    # ------------------------------------------------------------------ LoRA adapters
+
+    async def load_lora_adapter(self, request: web.Request) -> web.Response:
+        req: LoadLoRAAdapterReqInput = await parse(request, LoadLoRAAdapterReqInput)
+        return await self._adapter_update(lambda slot: slot.load(req))
+
+    async def unload_lora_adapter(self, request: web.Request) -> web.Response:
+        req: UnloadLoRAAdapterReqInput = await parse(request, UnloadLoRAAdapterReqInput)
+        return await self._adapter_update(lambda slot: slot.unload(req))
+
+    async def _adapter_update(self, work: Callable[[AdapterSlot], LoadReport]) -> web.Response:
+        """Run one adapter load or unload as a weight update; sglang's ``LoRAUpdateResult`` answer
+        (400 with ``error_message`` naming the field when refused, 403 for a folder outside ``--weight-dir``)."""
+        slot = self.adapter
+        if slot is None:
+            message = "lora_name: this server was started without an adapter (--lora-rank); it serves its base model only"
+            return web.json_response({"success": False, "error_message": message, "loaded_adapters": {}}, status=400)
+        async with self._weights:
+            try:
+                report = await asyncio.to_thread(work, slot)
+            except PermissionError as exc:
+                return web.json_response(slot.result(ok=False, error=str(exc)).model_dump(), status=403)
+            except AdapterRequestError as exc:
+                return web.json_response(slot.result(ok=False, error=str(exc)).model_dump(), status=400)
+        return web.json_response(slot.result(ok=report.ok, error=report.error or None).model_dump(),
+                                 status=200 if report.ok else 400)
+
+    async def probe_logprobs(self, request: web.Request) -> web.Response:
+        """tandem's extension: the weight probe scored under the weights serving now (the
+        trainer compares it with its own after each sync, ``engines.shared.probe``)."""
+        req: ProbeReqInput = await parse(request, ProbeReqInput, context=self.request_context)
+        version = self.engine.version
+        logprobs = await asyncio.to_thread(self.engine.probe_logprobs, req.input_ids)
+        return web.json_response(ProbeResponse(name=self.name, weight_version=version, logprobs=logprobs).model_dump())
+
+
 async def shm_transfer(lines: Any, updates: WeightUpdates, name: str) -> LoadReport:
     """Apply one shared-memory transfer whose NDJSON messages arrive on ``lines`` (an aiohttp
     stream), each handled on a worker thread as it comes; never raises: a bad or cut-short
@@ -542,7 +602,7 @@ def run(args: argparse.Namespace) -> int:
         str(args.model_path), name=args.name, device=args.device, dtype=getattr(torch, args.dtype),
         max_batch_size=args.max_batch_size, num_threads=args.threads, resume_policy=args.resume_policy,
         consume_bucket_mb=args.consume_bucket_mb, dist_timeout_s=args.weight_timeout_s, keys=keys,
-        limits=limits_from(args),
+        limits=limits_from(args), lora=lora_from(args),
     )
 
     def ready(port: int) -> None:
@@ -565,6 +625,17 @@ def keys_from(args: argparse.Namespace) -> ApiKeys:
             raise ValueError(f"--{option.replace('_', '-')} (or ${env}) is empty")
         keys[option] = SecretStr(value) if value is not None else None
     return ApiKeys(api_key=keys["api_key"], admin_key=keys["admin_api_key"])
+
+
+def lora_from(args: argparse.Namespace) -> peft.LoraConfig | None:
+    """peft's settings for ``--lora-*`` on the model (None without ``--lora-rank``), checked as the trainer's are."""
+    if args.lora_rank is None:
+        return None
+    from tandem.core.config import LoraConfig
+    from tandem.engines.shared.lora import lora_settings
+
+    spec = LoraConfig(rank=args.lora_rank, alpha=args.lora_alpha, target_modules=args.lora_target_modules)
+    return lora_settings(spec, args.model_path)
 
 
 def limits_from(args: argparse.Namespace) -> ServerLimits:

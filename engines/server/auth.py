@@ -34,7 +34,8 @@ log = structlog.get_logger("tandem.serve")
 OPEN_ROUTES = frozenset({"/health"})
 ADMIN_ROUTES = frozenset({
     "/update_weights_from_disk", "/update_weights_from_tensor", "/init_weights_update_group",
-    "/update_weights_from_distributed", "/tandem/update_weights_from_shm", "/pause_generation", "/continue_generation",
+    "/update_weights_from_distributed", "/tandem/update_weights_from_shm", "/load_lora_adapter", "/unload_lora_adapter",
+    "/pause_generation", "/continue_generation",
     "/abort_request", "/flush_cache",
 })
 ALLOW_OPEN_FLAG = "--allow-unauthenticated"

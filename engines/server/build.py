@@ -4,7 +4,8 @@ What it owns: joining the pieces: the server processes (started here, or the one
 ``engines.servers.urls``, which are left alone), the router over them
 (:class:`~engines.server.router.ServerRolloutEngine`, the workflow's engine), the trainer in
 this process, and the weight sync from the trainer's dual buffer into the servers by the
-configured transport. Everything else (data, tokenization, reward, checkpoints, the reference
+configured transport (with ``engines.lora``, the adapter alone, each sync probed on every server:
+``engines.server.lora``). Everything else (data, tokenization, reward, checkpoints, the reference
 and the teacher in this process) is the embedded bundle's, so the flow sees no difference.
 
 Keys (``engines.servers.api_key`` / ``admin_key``) are read here, once, from where the config
@@ -41,10 +42,20 @@ from tandem.engines.server.agent_proxy import AgentProxy
 from tandem.engines.server.auth import ApiKeys
 from tandem.engines.server.client import ServerClient
 from tandem.engines.server.launcher import ServerFleet, ServerSpec, sglang_command, tandem_command
+from tandem.engines.server.lora import ServerProbe
 from tandem.engines.server.options import ADMIN_KEY_ENV, API_KEY_ENV
 from tandem.engines.server.router import ServerRolloutEngine
-from tandem.engines.server.weights import DiskTransport, HttpDistTransport, HttpShmTransport, ServerWeightSync, free_port
+from tandem.engines.server.weights import (
+    ClosableWeightSync,
+    DiskTransport,
+    HttpDistTransport,
+    HttpShmTransport,
+    ServerWeightSync,
+    free_port,
+)
+from tandem.engines.shared.probe import ProbedTransport, ProbedWeightSync
 from tandem.engines.shared.weight_sync import TorchWeightSync
+from tandem.engines.trainers.torch_train import TorchTrainEngine
 from tandem.param_sync import Transport
 
 __all__ = ["ServerKind", "build_server_components", "server_fleet", "server_keys"]
@@ -118,7 +129,7 @@ def server_fleet(
                 consume_bucket_mb=config.param_sync.consume_bucket_mb,
                 weight_dirs=[weights_dir] if servers.weight_transport == "disk" and weights_dir is not None else [],
                 group_addresses=[servers.trainer_address] if servers.weight_transport == "dist" else [],
-                allow_unauthenticated=servers.allow_unauthenticated,
+                allow_unauthenticated=servers.allow_unauthenticated, lora=spec.lora,
             )
             env = tandem_key_env(keys)
         specs.append(ServerSpec(name, command, f"http://{servers.host}:{port}", run_dir / f"{name}.log", env))
@@ -201,7 +212,16 @@ def build_server_components(config: TandemConfig, setup: TaskSetup, kind: Server
             )
         else:
             transport = DiskTransport(router.receivers, weights_dir, timeout_s=servers.request_timeout_s, keys=keys)
-        inner = TorchWeightSync.through(engine, transport, produce_bucket_mb=config.param_sync.produce_bucket_mb)
+        if spec.lora is not None:  # the adapter alone travels; each sync proven on every server (engines.server.lora)
+            assert isinstance(engine, TorchTrainEngine) and engine.probe is not None
+            probed = ProbedTransport(
+                transport, engine.probe, ServerProbe(router.receivers, timeout_s=servers.request_timeout_s, keys=keys),
+                max_gap=spec.lora.max_gap(spec.dtype), what="the adapter",
+            )
+            through = TorchWeightSync.through(engine, probed, produce_bucket_mb=config.param_sync.produce_bucket_mb)
+            inner: ClosableWeightSync = ProbedWeightSync(through, probed)
+        else:
+            inner = TorchWeightSync.through(engine, transport, produce_bucket_mb=config.param_sync.produce_bucket_mb)
         weight_sync = ServerWeightSync(kind.wrap_sync(inner) if kind is not None else inner, router)
         router.resync = weight_sync.reload
         if fleet is not None:

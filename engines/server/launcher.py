@@ -32,12 +32,16 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import aiohttp
 import structlog
 from pydantic import SecretStr
 
 from tandem.core.threadsafe import post_to_loop
+
+if TYPE_CHECKING:
+    from tandem.core.config import LoraConfig
 
 __all__ = ["ServerFleet", "ServerLaunchError", "ServerSpec", "sglang_command", "tandem_command"]
 
@@ -53,9 +57,10 @@ class ServerLaunchError(RuntimeError):
 def tandem_command(model_path: str, host: str, port: int, *, name: str, threads: int, max_batch_size: int,
                    resume_policy: str, dtype: str, device: str, consume_bucket_mb: float,
                    weight_dirs: Sequence[Path] = (), group_addresses: Sequence[str] = (),
-                   allow_unauthenticated: bool = False) -> list[str]:
+                   allow_unauthenticated: bool = False, lora: LoraConfig | None = None) -> list[str]:
     """``tandem serve``'s command line. Keys are not on it (the environment gives them: see
-    ``engines.server.build``); ``weight_dirs`` and ``group_addresses`` empty: its defaults."""
+    ``engines.server.build``); ``weight_dirs`` and ``group_addresses`` empty: its defaults;
+    ``lora``: the trainer's adapter, which the server then holds (``engines.server.lora``)."""
     command = [
         sys.executable, "-m", "tandem.pipeline.cli", "serve", "--model-path", model_path, "--host", host, "--port", str(port),
         "--name", name, "--threads", str(threads), "--max-batch-size", str(max_batch_size),
@@ -67,6 +72,9 @@ def tandem_command(model_path: str, host: str, port: int, *, name: str, threads:
         command += ["--weight-group-address", address]
     if allow_unauthenticated:
         command.append("--allow-unauthenticated")
+    if lora is not None:
+        command += ["--lora-rank", str(lora.rank), "--lora-alpha", str(lora.alpha)]
+        command += ["--lora-target-modules", *lora.target_modules] if lora.target_modules else []
     return command
 
 

@@ -45,6 +45,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "default: the model's own folder)")
     parser.add_argument("--weight-group-address", action="append", default=None,
                         help="an address /init_weights_update_group may rendezvous at (repeat; default: loopback)")
+    parser.add_argument("--lora-rank", type=int, default=None,
+                        help="serve a LoRA adapter of this rank over the base (the trainer's engines.lora.rank); "
+                             "weight updates then carry the adapter only")
+    parser.add_argument("--lora-alpha", type=float, default=16.0, help="the adapter's alpha (engines.lora.alpha)")
+    parser.add_argument("--lora-target-modules", nargs="+", default=None,
+                        help="layers that get an adapter (engines.lora.target_modules; default: the architecture's)")
     parser.add_argument("--connect-timeout-s", type=float, default=5.0,
                         help="how long joining a weight group waits for its rendezvous to answer (torch retries once)")
 

@@ -201,11 +201,11 @@ class WeightUpdates:
 
     # ---------------------------------------------------------------------------- disk
 
-    def check_folder(self, model_path: str) -> Path:
-        """``model_path`` resolved; PermissionError naming it unless it lies under an allowed folder."""
+    def check_folder(self, model_path: str, field: str = "model_path") -> Path:
+        """``model_path`` resolved; PermissionError naming ``field`` unless it lies under an allowed folder."""
         path = Path(model_path).resolve()
         if not any(path == d or path.is_relative_to(d) for d in self._weight_dirs):
-            raise PermissionError(f"model_path: {model_path!r} is outside the folders this server loads weights from "
+            raise PermissionError(f"{field}: {model_path!r} is outside the folders this server loads weights from "
                                   f"(--weight-dir: {[str(d) for d in self._weight_dirs]})")
         return path
 
@@ -240,6 +240,16 @@ class WeightUpdates:
             data = tensors[meta.name].contiguous().reshape(-1).view(torch.uint8).numpy()
             stream[meta.offset : meta.offset + meta.nbytes] = data
         return self._load(manifest, stream, checksums)
+
+    def from_tensors(self, tensors: dict[str, torch.Tensor], version: int) -> LoadReport:
+        """Load ``tensors`` (every weight the target holds, by its name, in its order) at
+        ``version``, checksummed here: the load of an adapter folder or of a cleared adapter."""
+        entries = [(n, t.dtype, tuple(t.shape), t.numel() * t.element_size()) for n, t in tensors.items()]
+        manifest = plan_manifest(entries, bucket_nbytes=_DISK_BUCKET_NBYTES, version=version)
+        stream = self._staging_for(manifest.total_nbytes)
+        for meta, tensor in zip(manifest.tensors, tensors.values(), strict=True):
+            stream[meta.offset : meta.offset + meta.nbytes] = tensor.contiguous().reshape(-1).view(torch.uint8).numpy()
+        return self._load(manifest, stream, None)
 
     # ------------------------------------------------------------------------ shared
 

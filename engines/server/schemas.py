@@ -12,9 +12,9 @@ few extensions, each marked as such:
 - ``UpdateWeightsFromDistributedReqInput.bucket_nbytes``: when set, the trainer broadcasts one
   more tensor after the weights, the checksum of every bucket of the transfer (a real server
   ignores the field and so is never sent the extra tensor, see ``engines.server.weights``);
-- the shared-memory weight update (``/tandem/update_weights_from_shm``) and the conversation
-  records of the OpenAI endpoint (``/tandem/conversations/{id}``), which sglang has no
-  counterpart for.
+- the shared-memory weight update (``/tandem/update_weights_from_shm``), the conversation
+  records of the OpenAI endpoint (``/tandem/conversations/{id}``) and the weight probe's
+  scoring (``/tandem/probe_logprobs``), which sglang has no counterpart for.
 
 Invariants: requests are parsed with ``extra="forbid"``, so a field this server does not
 implement is refused with a 400 naming it rather than silently ignored; responses allow extra
@@ -42,13 +42,18 @@ __all__ = [
     "GenerateReqInput",
     "GenerateResponse",
     "InitWeightsUpdateGroupReqInput",
+    "LoRAUpdateResult",
+    "LoadLoRAAdapterReqInput",
     "LoadReportBody",
     "MetaInfo",
     "ModelInfo",
     "PauseGenerationReqInput",
+    "ProbeReqInput",
+    "ProbeResponse",
     "SamplingParams",
     "ShmMessage",
     "SuccessResponse",
+    "UnloadLoRAAdapterReqInput",
     "UpdateWeightFromDiskReqInput",
     "UpdateWeightsFromDistributedReqInput",
     "UpdateWeightsFromTensorReqInput",
@@ -141,6 +146,10 @@ class GenerateReqInput(_Request):
     return_text_in_logprobs: bool = False
     stream: bool = False
     conversation_id: str | None = None
+    # The adapter to generate with, by its ``lora_name`` (per prompt in a batch). This server has
+    # one adapter slot, which every request uses: a name must be the loaded one; None is the slot
+    # as it is (sglang's None is the bare base).
+    lora_path: str | list[str | None] | None = None
 
     @model_validator(mode="after")
     def _one_input(self, info: ValidationInfo) -> GenerateReqInput:
@@ -294,6 +303,49 @@ class UpdateWeightsFromDistributedReqInput(_Request):
         if not len(self.names) == len(self.dtypes) == len(self.shapes):
             raise ValueError("names, dtypes and shapes must have the same length")
         return self
+
+
+class LoadLoRAAdapterReqInput(_Request):
+    """sglang's ``LoadLoRAAdapterReqInput`` (``/load_lora_adapter``): the peft folder
+    ``lora_path`` (``adapter_config.json``, ``adapter_model.safetensors``) under the name ``lora_name``."""
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+    pinned: bool = False
+
+
+class UnloadLoRAAdapterReqInput(_Request):
+    """sglang's ``UnloadLoRAAdapterReqInput`` (``/unload_lora_adapter``)."""
+
+    lora_name: str = Field(min_length=1)
+
+
+class LoRAUpdateResult(_Response):
+    """sglang's answer to both adapter routes: ``loaded_adapters`` maps each loaded name to its path."""
+
+    success: bool
+    error_message: str | None = None
+    loaded_adapters: dict[str, str] = Field(default_factory=dict)
+
+
+class ProbeReqInput(_Request):
+    """tandem's extension (``/tandem/probe_logprobs``): the weight probe's token sequence, scored
+    at temperature 1 under the weights serving now (``engines.shared.probe``)."""
+
+    input_ids: list[int] = Field(min_length=2)
+
+    @model_validator(mode="after")
+    def _in_vocabulary(self, info: ValidationInfo) -> ProbeReqInput:
+        check_token_ids(self.input_ids, "input_ids", info)
+        return self
+
+
+class ProbeResponse(_Response):
+    """The log-probs of ``input_ids[1:]``, by the server ``name`` serving ``weight_version``."""
+
+    name: str
+    weight_version: int
+    logprobs: list[float]
 
 
 class ShmMessage(_Request):

@@ -11,8 +11,8 @@ side runs (:func:`probe_sequence`, :func:`probe_logprobs`, :func:`probe_gap`); f
 this process, whatever their probe's input (a token sequence here, a denoising trajectory in
 ``engines.diffusion.probe``), the trainer's record of its log-probs per version
 (:class:`ProbeRecord`) and the transport wrapper that checks every committed load against it
-(:class:`ProbedTransport`); and the weight sync that reports each sync's gap as ``logprob_gap``
-(:class:`ProbedWeightSync`, vLLM's too).
+(:class:`ProbedTransport`; ``tandem serve``'s too, scored over HTTP); and the weight sync that
+reports each sync's gap as ``logprob_gap`` (:class:`ProbedWeightSync`, vLLM's too).
 
 Invariants:
 - the trainer records version ``v``'s log-probs under the lock that makes ``v`` (its weights
@@ -104,12 +104,13 @@ class ProbeRecord(Generic[ProbeInput]):
 
 
 class ProbedTransport(Generic[ProbeInput]):
-    """A :class:`~param_sync.Transport` into one rollout engine whose every committed load is
-    proven by the probe: ``score`` (the engine's own scoring of the probe's inputs, under the
-    weights it serves) against the trainer's :class:`ProbeRecord` at the transfer's version."""
+    """A :class:`~param_sync.Transport` into rollout engines whose every committed load is
+    proven by the probe: ``score(inputs, engine)`` (the scoring of the probe's inputs by the
+    engine a report names, under the weights it serves) against the trainer's
+    :class:`ProbeRecord` at the transfer's version."""
 
     def __init__(
-        self, inner: Transport, record: ProbeRecord[ProbeInput], score: Callable[[ProbeInput], list[float]], *,
+        self, inner: Transport, record: ProbeRecord[ProbeInput], score: Callable[[ProbeInput, str], list[float]], *,
         max_gap: float, what: str,
     ) -> None:  # fmt: skip
         if max_gap <= 0:
@@ -133,8 +134,8 @@ class ProbedTransport(Generic[ProbeInput]):
         self._inner.close()
 
     def _checked(self, report: LoadReport, version: int) -> LoadReport:
-        gap = probe_gap(self._score(self._record.inputs), self._record.expected(version))
-        self.last_gap = gap
+        gap = probe_gap(self._score(self._record.inputs, report.engine), self._record.expected(version))
+        self.last_gap = gap if self.last_gap is None else max(self.last_gap, gap)  # several engines: the worst
         if gap <= self.max_gap:
             return report
         error = (
@@ -180,6 +181,7 @@ def probed_in_process(
     """``TorchWeightSync.in_process`` with every load probed against the trainer's ``record``:
     a gap above ``max_gap`` fails the sync, saying ``what`` did not land."""
     transport = ProbedTransport(
-        in_process_transport(rollout, consume_bucket_mb), record, rollout.probe_logprobs, max_gap=max_gap, what=what
-    )
+        in_process_transport(rollout, consume_bucket_mb), record, lambda inputs, _engine: rollout.probe_logprobs(inputs),
+        max_gap=max_gap, what=what,
+    )  # fmt: skip
     return ProbedWeightSync(TorchWeightSync.through(trainer, transport, produce_bucket_mb=produce_bucket_mb), transport)

@@ -1,7 +1,8 @@
 """The flow with generation in rollout servers (``engines.rollout: server``) on the shipped model:
 it trains, the staleness bound and the ledger hold as in-process, a server killed -9 mid-run is
-replaced and every prompt is trained exactly once, the servers are gone afterwards, and an agent
-written against the ``openai`` client trains end to end. A ``gpu`` test runs real sglang."""
+replaced and every prompt is trained exactly once, the servers are gone afterwards, an agent
+written against the ``openai`` client trains end to end, and the LoRA job syncs its adapter
+alone. A ``gpu`` test runs real sglang."""
 
 from __future__ import annotations
 
@@ -152,6 +153,22 @@ def test_servers_behind_keys_train_an_openai_agent_and_the_keys_are_written_nowh
     leaked = [p for p in written if api_key.encode() in p.read_bytes() or admin_key.encode() in p.read_bytes()]
     assert leaked == []
     assert api_key not in config.model_dump_json() and admin_key not in config.model_dump_json()
+
+
+def test_the_shipped_lora_job_trains_with_its_adapter_synced_to_a_server_and_probed(tmp_path: Path) -> None:
+    pytest.importorskip("peft", reason="LoRA needs the lora extra (peft)")
+    config = load_config(CONFIGS_DIR / "lora_arithmetic.yaml", [  # the shipped config, made small
+        "engines.rollout=server", "engines.servers.startup_timeout_s=240", "run.max_steps=3", "train.prompts_per_step=2",
+        "rollout.samples_per_prompt=4", "rollout.max_new_tokens=16", "engines.lora.export_merged=false",
+        "validation.every_versions=null", "observability.metrics_port=null", "observability.trace=false",
+        "observability.write_run_dir=false", f"run.output_dir={tmp_path}",
+    ])
+    result = asyncio.run(AsyncTrainingFlow(config, components=build_components(config)).run())
+    assert len(result.steps) == 3 and result.syncs
+    adapter_bytes = result.syncs[0].metrics["bytes"]
+    assert all(s.metrics["bytes"] == adapter_bytes for s in result.syncs)
+    assert adapter_bytes < (MODEL_DIR / "model.safetensors").stat().st_size / 10  # the adapter, not the model
+    assert all(s.metrics["logprob_gap"] < 1e-4 for s in result.syncs)  # each sync proven on the server
 
 
 def test_an_agent_that_cannot_be_loaded_is_refused_before_any_server_starts(tmp_path: Path) -> None:

@@ -31,7 +31,7 @@ def test_the_defaults_train_rank_8_at_the_engines_lr_with_the_probe_on() -> None
     ("sections", "message"),
     [
         ({"engines": {"rollout": "vllm"}}, r"engines.lora with engines.rollout=vllm: .*embedded"),
-        ({"engines": {"rollout": "server"}}, r"engines.lora with engines.rollout=server"),
+        ({"engines": {"rollout": "vllm_server"}}, r"engines.lora with engines.rollout=vllm_server: .*embedded or server"),
         ({"engines": {"train": "megatron"}}, r"engines.lora with engines.train=megatron: .*engines.data_parallel=fsdp2 or ddp"),
         ({"cluster": {"backend": "ray"}}, r"engines.lora with cluster.backend=ray"),
         ({"engines": {"lora": {"target_modules": []}}}, r"engines.lora.target_modules: give at least one"),
@@ -49,6 +49,10 @@ def test_what_adapters_do_not_support_is_refused_naming_the_fields(sections: dic
 )
 def test_adapters_train_on_fsdp2_and_ddp_trainer_groups(engines: dict[str, Any]) -> None:
     assert config(engines=engines).engines.lora is not None
+
+
+def test_an_adapter_reaches_tandem_serve() -> None:
+    assert config(engines={"rollout": "server"}).engines.lora is not None
 
 
 def test_the_image_workload_takes_an_adapter_and_its_refusals_name_the_fields() -> None:
