@@ -55,7 +55,6 @@ from tandem.engines.server.weights import (
 )
 from tandem.engines.shared.probe import ProbedTransport, ProbedWeightSync
 from tandem.engines.shared.weight_sync import TorchWeightSync
-from tandem.engines.trainers.torch_train import TorchTrainEngine
 from tandem.param_sync import Transport
 
 __all__ = ["ServerKind", "build_server_components", "server_fleet", "server_keys"]
@@ -213,7 +212,7 @@ def build_server_components(config: TandemConfig, setup: TaskSetup, kind: Server
         else:
             transport = DiskTransport(router.receivers, weights_dir, timeout_s=servers.request_timeout_s, keys=keys)
         if spec.lora is not None:  # the adapter alone travels; each sync proven on every server (engines.server.lora)
-            assert isinstance(engine, TorchTrainEngine) and engine.probe is not None
+            assert engine.probe is not None  # a trainer with an adapter records the probe (one process or a group)
             probed = ProbedTransport(
                 transport, engine.probe, ServerProbe(router.receivers, timeout_s=servers.request_timeout_s, keys=keys),
                 max_gap=spec.lora.max_gap(spec.dtype), what="the adapter",

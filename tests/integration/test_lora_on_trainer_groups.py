@@ -30,10 +30,12 @@ def short(name: str, tmp_path: Path, *overrides: str) -> TandemConfig:
     ])  # fmt: skip
 
 
-def test_the_lora_config_trains_on_two_fsdp2_ranks_with_every_sync_probed(tmp_path: Path) -> None:
+def test_the_lora_config_trains_on_two_fsdp2_ranks_with_every_sync_probed_on_a_server(tmp_path: Path) -> None:
+    # Generation in a tandem serve process: the group's adapter crosses a process boundary and the
+    # server's own log-probs prove each sync (the embedded engine's case: test_fsdp_lora.py).
     from peft import PeftModel
 
-    config = short("lora_arithmetic", tmp_path, "engines.data_parallel=fsdp2", "run.max_steps=3")
+    config = short("lora_arithmetic", tmp_path, "engines.data_parallel=fsdp2", "engines.rollout=server", "run.max_steps=3")
     assert config.engines.trainer_group == "fsdp2"
     result = asyncio.run(AsyncTrainingFlow(config).run())
     assert result.total_steps == 3 and result.final_version == 3
