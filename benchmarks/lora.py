@@ -34,9 +34,13 @@ engines a run builds (``engines.text.build``: ``train_engine`` and ``embedded_ro
   the prompted digit, of ``--digits-heldout`` prompts at the evaluation's 20 denoising steps).
   LoRA minus full is paired by seed, with its 95 % interval.
 
-Cost with the defaults on 2 quiet cores: sync about 1 minute, train about 3, learning about 20
-(arithmetic 100 steps, digits 40, three seeds each): about 25 minutes. ``--tiny`` runs every
-part at a toy size (a 0.1M-parameter second model, one step, one seed) for the smoke test.
+Cost with the defaults: sync and train took 200-300 s together on 2 cores shared with other jobs
+(a load of 2 to 3; the 33M model's train steps are most of it); learning is 12 runs, the default job's
+about 80-100 s each at 100 steps (0.7-0.9 s a step, ``benchmarks/results/e2e.json``; the adapter's
+decode is a little slower) and the digits job's about 70 s at 40 steps (``flow_grpo.json``):
+about 18 minutes, 21 in all on 2 quiet cores (100 steps: the held-out accuracies the LoRA
+config's comment compares are at version 100). ``--tiny`` runs every part at a toy size (a
+0.1M-parameter second model, one step, one seed) for the smoke test.
 
 Prints a table per part and writes ``benchmarks/results/lora.json``.
 
@@ -71,12 +75,14 @@ from rich.table import Table
 from tandem.algorithms.objective import PolicyObjective
 from tandem.core.config import TandemConfig, TorchEnginesConfig
 from tandem.core.records import FinishReason, Trajectory, token_trajectory
+from tandem.core.task import held_out_measure
 from tandem.engines.shared.probe import probe_logprobs
 from tandem.engines.text.build import embedded_rollout, resolve_model_path, train_engine
 from tandem.engines.trainers.torch_train import TorchTrainEngine
 from tandem.param_sync import unique_weights
+from tandem.param_sync.bucket import MiB
 from tandem.pipeline import load_config
-from tandem.pipeline.builders import load_config_task, with_task_model
+from tandem.pipeline.builders import load_config_task, reward_functions, with_task_model
 
 RESULTS = Path(__file__).parent / "results" / "lora.json"
 CONFIGS = Path(__file__).parent.parent / "configs"
@@ -99,7 +105,6 @@ TINY_MODEL: dict[str, Any] = {
 PROMPT_TOKENS, RESPONSE_TOKENS = 16, 48
 # The train-step batch uses ids every model embeds (the arithmetic tokenizer's 18).
 BATCH_VOCAB = range(3, 18)
-MiB = 2**20
 
 
 # --- models ------------------------------------------------------------------------------
@@ -197,17 +202,15 @@ def sync_model(name: str, model_dir: Path, reps: int, repeat: int) -> dict[str, 
         for _ in range(repeat):
             rounds.append({mode: asyncio.run(pair.timed_syncs(reps)) for mode, pair in pairs.items()})
         probe = pairs["lora"].probe_costs(reps)
-        base = pairs["full"].trainer.model
+        weights = unique_weights(pairs["full"].trainer.model)
         adapter = dict(pairs["lora"].trainer.named_tensors_for_sync())
-        model_params = sum(t.numel() for t in unique_weights(base).values())
-        model_bytes = nbytes(unique_weights(base))
     finally:
         for pair in pairs.values():
             pair.close()
     out: dict[str, Any] = {
         "model": name,
-        "params": model_params,
-        "model_bytes": model_bytes,
+        "params": sum(t.numel() for t in weights.values()),
+        "model_bytes": nbytes(weights),
         "adapter_params": sum(t.numel() for t in adapter.values()),
         "adapter_bytes": nbytes(adapter),
     }
@@ -390,6 +393,12 @@ def effective_lr(config: TandemConfig) -> float:
     return spec.lr if spec.lora is None or spec.lora.lr is None else spec.lora.lr
 
 
+def measure_name(config: TandemConfig) -> str:
+    """What the job's held-out number counts (``exact_answer``, ``recognized``), as the builder picks it."""
+    task = load_config_task(config)
+    return held_out_measure(task, [f.name for f in reward_functions(config, task)]).name
+
+
 def learn_row(job: str, mode: str, steps: int, seeds: list[int], heldout: int, output: Path) -> dict[str, Any]:
     """One config of ``job`` trained ``steps`` steps per seed, then its final weights evaluated held out."""
     path = JOBS[job][MODES.index(mode)]
@@ -407,7 +416,7 @@ def learn_row(job: str, mode: str, steps: int, seeds: list[int], heldout: int, o
     rewards, held = [r["reward"] for r in runs], [r["heldout"] for r in runs]
     return {
         "job": job, "mode": mode, "config": path.name, "lr": effective_lr(config), "steps": steps, "seeds": seeds,
-        "samples_trained": runs[0]["trained"], "heldout_prompts": heldout,
+        "samples_trained": runs[0]["trained"], "heldout_prompts": heldout, "heldout_measure": measure_name(config),
         "reward_mean": statistics.fmean(rewards), "reward_ci95": ci95(rewards), "reward_per_seed": rewards,
         "heldout_mean": statistics.fmean(held), "heldout_ci95": ci95(held), "heldout_per_seed": held,
         "wall_s": sum(r["wall_s"] for r in runs),
