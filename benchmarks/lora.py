@@ -35,12 +35,14 @@ engines a run builds (``engines.text.build``: ``train_engine`` and ``embedded_ro
   LoRA minus full is paired by seed, with its 95 % interval.
 
 Cost with the defaults: sync and train took 200-300 s together on 2 cores shared with other jobs
-(a load of 2 to 3; the 33M model's train steps are most of it); learning is 12 runs, the default job's
-about 80-100 s each at 100 steps (0.7-0.9 s a step, ``benchmarks/results/e2e.json``; the adapter's
-decode is a little slower) and the digits job's about 70 s at 40 steps (``flow_grpo.json``):
-about 18 minutes, 21 in all on 2 quiet cores (100 steps: the held-out accuracies the LoRA
-config's comment compares are at version 100). ``--tiny`` runs every part at a toy size (a
-0.1M-parameter second model, one step, one seed) for the smoke test.
+(a load of 2 to 3; the 33M model's train steps are most of it). Learning is 12 runs; at a load
+of 2, 10 steps of the default job and 512 held-out problems took 17 s with full fine-tuning and
+25 s with the adapter (its layers run beside every projection, in decoding as in training), 5 steps of the digits job and
+200 held-out images 16 s each. On 2 quiet cores (the default job at about 0.7 s a step,
+``results/e2e.json``) that puts learning near 16 minutes and the whole run near 20; at a load
+of 2, near 28. The default job trains 100 steps: the held-out accuracies the LoRA config's
+comment compares are at version 100. ``--tiny`` runs every part at a toy size (a 0.1M-parameter
+second model, one step, one seed) for the smoke test.
 
 Prints a table per part and writes ``benchmarks/results/lora.json``.
 

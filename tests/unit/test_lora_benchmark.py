@@ -38,7 +38,9 @@ def test_tiny_run_syncs_the_adapter_alone_and_produces_every_row(tmp_path: Path)
     assert set(rows) == {(m["model"], mode) for m in models for mode in ("full", "lora")}
     for m in models:
         assert rows[m["model"], "lora"]["trained_params"] == m["adapter_params"] < rows[m["model"], "full"]["trained_params"]
-        assert all(r["step_s"] > 0 and r["peak_rss_delta_mb"] > 0 for r in rows.values())
+        assert rows[m["model"], "lora"]["optimizer_state_mb"] < rows[m["model"], "full"]["optimizer_state_mb"]
+        assert m["probe"]["per_version_over_lora_train_step"] > 0  # the probe's cost set against a version's work
+    assert all(r["step_s"] > 0 and r["peak_rss_delta_mb"] > 0 for r in rows.values())
 
     learning = doc["learning"]
     assert {job: rows["lora"]["heldout_measure"] for job, rows in learning.items()} == {
