@@ -228,8 +228,6 @@ def sync_model(name: str, model_dir: Path, reps: int, repeat: int) -> dict[str, 
         }
     out["bytes_ratio_lora_over_full"] = out["lora"]["bytes"] / out["full"]["bytes"]
     out["sync_s_ratio_lora_over_full_runs"] = [r["lora"]["wall_s"] / r["full"]["wall_s"] for r in rounds]
-    # What the adapter's transfer itself takes: a probed sync less the engine's scoring of the probe.
-    out["lora"]["sync_s_less_probe"] = out["lora"]["sync_s"] - probe["score_s"]
     out["probe"] = {
         **probe,
         "share_of_lora_sync": probe["score_s"] / out["lora"]["sync_s"],
