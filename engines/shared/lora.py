@@ -243,13 +243,17 @@ class TrainedWeights:
     def __init__(self, model: nn.Module, *, adapted: bool) -> None:
         self.model = model
         self.adapted = adapted
+        # The adapter's parameters live as long as the model and are only ever written in place
+        # (optimizer steps, load_adapter's copy_): listed once here, not by peft's walk over the
+        # whole state dict at every sync (3.5 ms of a 1M model's sync, against 0.16 ms for all weights).
+        self._adapter = {name: t.detach() for name, t in adapter_tensors(model).items()} if adapted else None
 
     def synced(self) -> dict[str, torch.Tensor]:
         """The live tensors a sync reads, by name: every weight, tied storage once
         (``param_sync.unique_weights``), or the adapter's under :func:`adapter_tensors`' names."""
-        if not self.adapted:
+        if self._adapter is None:
             return unique_weights(self.model)
-        return {name: t.detach() for name, t in adapter_tensors(self.model).items()}
+        return dict(self._adapter)
 
     def state(self) -> dict[str, torch.Tensor]:
         """What a checkpoint holds of the model: its ``state_dict``, or the adapter's tensors."""
