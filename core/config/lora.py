@@ -5,7 +5,7 @@ text workload and its critic's decoder, the transformer of the image workload's 
 the adapter's tensors train, sit in the optimizer, travel to the rollout engine and fill the
 checkpoints, on one process's trainer or a trainer group of FSDP2 or DDP ranks. What is refused
 here is what was not built for adapters (megatron-core ranks, rollout engines other than the
-embedded one and ``tandem serve``, Ray): each rule names the fields.
+embedded one, ``tandem serve`` and vLLM in process, Ray): each rule names the fields.
 """
 
 from __future__ import annotations
@@ -85,10 +85,10 @@ def check_lora(config: TandemConfig) -> None:
     engines = config.engines
     if engines.type != "torch" or engines.lora is None:
         return
-    if engines.rollout not in ("embedded", "server"):
+    if engines.rollout not in ("embedded", "server", "vllm"):
         raise ValueError(
             f"engines.lora with engines.rollout={engines.rollout}: adapter-only weight sync reaches the embedded "
-            "rollout engine and tandem serve only (engines.rollout=embedded or server)"
+            "rollout engine, tandem serve and vLLM in process only (engines.rollout=embedded, server or vllm)"
         )
     if engines.trainer_group == "megatron":
         raise ValueError(

@@ -60,6 +60,7 @@ __all__ = [
     "BaseModelReference",
     "TrainedWeights",
     "adapter_dropout",
+    "adapter_names",
     "adapter_tensors",
     "load_adapter",
     "lora_settings",
@@ -213,6 +214,17 @@ def adapter_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     from peft import get_peft_model_state_dict
 
     return get_peft_model_state_dict(model, state_dict=model.state_dict(keep_vars=True), save_embedding_layers=False)
+
+
+def adapter_names(model_path: str | Path, settings: peft.LoraConfig) -> frozenset[str]:
+    """The names :func:`adapter_tensors` gives the adapter of ``settings`` on the causal LM at
+    ``model_path``, found on a skeleton on the meta device (no weights load): what a rollout
+    engine outside this process checks each transfer against."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(model_path)))
+    return frozenset(adapter_tensors(with_adapter(skeleton, copy.deepcopy(settings))))
 
 
 def load_adapter(model: nn.Module, adapter: Mapping[str, torch.Tensor]) -> None:

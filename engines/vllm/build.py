@@ -4,6 +4,8 @@ What it owns: turning the config into a :class:`~engines.vllm.engine.VllmRollout
 cache and the cores its threads bind to) and the weight sync into it: the trainer's gather
 into a dual buffer of shared-memory halves (``param_sync``), loaded by vLLM's workers in place,
 each sync proven by the probe (``engines.vllm.sync``) and its gap reported as ``logprob_gap``.
+With ``engines.lora``, the trainer's adapter alone, added to vLLM as a LoRA adapter, each sync
+proven against the trainer's own probe record (``engines.shared.probe``).
 
 Thread budget (2 cores here): vLLM binds one OpenMP thread per core it is given. Generation
 gets the last ``generation_threads`` cores of this process's affinity (all of them at k = 0,
@@ -20,10 +22,10 @@ from tandem.core.config import TandemConfig, TorchEnginesConfig
 from tandem.engines.server.router import ServerRolloutEngine
 from tandem.engines.shared.probe import ProbedWeightSync
 from tandem.engines.shared.weight_sync import SyncedTrainer, TorchWeightSync
-from tandem.engines.text.build import TORCH_DTYPES, resolve_model_path
+from tandem.engines.text.build import TORCH_DTYPES, lora_of, resolve_model_path
 from tandem.engines.vllm.engine import VllmRolloutEngine, VllmSettings, eos_token_ids
 from tandem.engines.vllm.server import VllmHttpEndpoint, VllmServerClient, vllm_command, vllm_key_env, vllm_server_env
-from tandem.engines.vllm.sync import VllmShmTransport, WeightProbe
+from tandem.engines.vllm.sync import VllmShmTransport, WeightProbe, adapter_sync
 
 __all__ = ["build_vllm_server_components", "generation_cpus", "vllm_rollout"]
 
@@ -41,11 +43,18 @@ def vllm_rollout(config: TandemConfig, trainer: SyncedTrainer, threads: int) -> 
     assert isinstance(spec, TorchEnginesConfig)
     model_path = resolve_model_path(spec.model_path)
     settings = VllmSettings(kv_cache_gib=spec.vllm.kv_cache_gib, cpus=generation_cpus(threads))
+    # With an adapter, requests keep theirs to the end: the k + 1 versions in flight (engines.vllm.engine).
+    max_loras = config.staleness.k + 1
     engine = VllmRolloutEngine(
         model_path, device=spec.device, dtype=spec.dtype, max_batch_size=spec.max_batch_size, settings=settings,
         enforce_eager=spec.vllm.enforce_eager, update_timeout_s=spec.vllm.update_timeout_s, in_flight=spec.vllm.in_flight,
+        lora=lora_of(config), max_loras=max_loras,
     )  # fmt: skip
     try:
+        if spec.lora is not None:
+            assert trainer.probe is not None  # a LoRA trainer records the probe, one process's or a group's
+            return engine, adapter_sync(trainer, trainer.probe, engine, max_gap=spec.lora.max_gap(spec.dtype),
+                                        produce_bucket_mb=config.param_sync.produce_bucket_mb)  # fmt: skip
         probe = WeightProbe(model_path, max_gap=spec.vllm.max_gap(spec.dtype), dtype=TORCH_DTYPES[spec.dtype])
         transport = VllmShmTransport(lambda: [engine], probe)
         sync = TorchWeightSync.through(trainer, transport, produce_bucket_mb=config.param_sync.produce_bucket_mb)

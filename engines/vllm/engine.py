@@ -22,10 +22,29 @@ the engine's to keep.
   (``ResumePolicy.RECOMPUTE``); a previous version's KV is never served: keeping the cache
   across an update made post-update tokens match neither model (2 to 5.7 nats off, measured).
 - Probing (:meth:`VllmRolloutEngine.score`): a fixed sequence's log-probs as vLLM computes them
-  (prompt log-probs at temperature 1), compared by the weight sync with the trainer's.
+  (prompt log-probs at temperature 1, under the current adapter with LoRA), compared by the
+  weight sync with the trainer's.
+- LoRA (``lora``: vLLM started with ``enable_lora``; the path used is vLLM's LoRA requests,
+  each adapter added from tensors in memory, ``engines.vllm.worker``): the base model's weights
+  never change; each update adds the trainer's adapter at its version as a new vLLM adapter
+  (``LoRARequest`` id ``version + 1``), without pausing generation, and makes it current only once
+  every worker has it: new requests run under the current adapter, which is the version stamped
+  on their tokens (before the first update, the base: the trainer's version 0, peft starting every
+  B at zero). A request in flight at an update keeps the adapter it started with to its end, so
+  all its tokens carry that one version; vLLM's in-flight modes do not apply (nothing pauses).
+  Why not move it to the new adapter as full-weight updates do: vLLM fixes a request's adapter at
+  submission, and moving it would mean aborting and resubmitting its tokens. The staleness bound
+  holds unchanged: a group's staleness is measured from its oldest token, the one sampled at its
+  start in either case, and its version span is 0. The versions in flight thus lie in
+  ``[w, w + k]`` (the trainer cannot pass a group's step before training it), hence
+  ``max_loras = k + 1`` adapters per batch; at each update the adapters that no request in
+  flight uses and that are not current are removed from vLLM first, so at most ``max_loras + 1``
+  are ever held (an update that would need more fails, naming the count).
 
 Invariants: every request yields exactly one trajectory or the call raises; tokens' versions
-never decrease along a trajectory; ``version`` moves only after every worker loaded the update.
+never decrease along a trajectory; ``version`` moves only after every worker loaded the update;
+with LoRA, a token's version is that of the adapter that produced it, and vLLM never holds an
+adapter a request could no longer use beyond the next update.
 """
 
 from __future__ import annotations
@@ -39,16 +58,21 @@ import uuid
 from collections.abc import AsyncIterator, Iterator, Sequence
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from tandem.core.protocols import GenerationRequest
 from tandem.core.records import FinishReason, ResumePolicy, Trajectory, token_trajectory
 from tandem.core.threadsafe import post_to_loop
 from tandem.engines.server.router import segment_seed, served_version
 from tandem.engines.server.schemas import header_to_json, manifest_to_json
+from tandem.engines.shared.lora import adapter_names
 from tandem.engines.shared.threads import ClosesOnAThread
 from tandem.engines.text.rollout import validate_request
+from tandem.engines.vllm.worker import adapter_id
 from tandem.param_sync import BucketHeader, LoadReport, Manifest
+
+if TYPE_CHECKING:
+    import peft
 
 __all__ = [
     "WORKER_EXTENSION",
@@ -63,6 +87,11 @@ __all__ = [
 WORKER_EXTENSION = "tandem.engines.vllm.worker.TandemWorkerExtension"
 
 _SHUTDOWN_GRACE_S = 60.0
+# vLLM ranks an adapter's slots may have (``max_lora_rank``): the engine takes the smallest that fits.
+_VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+# The path every adapter's ``LoRARequest`` names: vLLM reads it only for an adapter it does not
+# hold, which the engine never requests (adapters are added from memory, removed once unused).
+_ADAPTER_PATH = "tandem-adapter-in-memory"
 _ENV_LOCK = threading.Lock()  # os.environ is process-wide: one engine start edits it at a time
 
 
@@ -155,7 +184,11 @@ class VllmRolloutEngine(ClosesOnAThread):
         startup_timeout_s: float = 300.0,
         update_timeout_s: float = 120.0,
         in_flight: InFlight = "keep",
+        lora: peft.LoraConfig | None = None,
+        max_loras: int = 1,
     ) -> None:
+        """``lora``: serve the trainer's LoRA adapter of these settings, updates carrying its
+        tensors only; ``max_loras``: the adapters one batch may mix (the versions in flight)."""
         from vllm.engine.arg_utils import AsyncEngineArgs
 
         self.model_path = Path(model_path)
@@ -169,6 +202,18 @@ class VllmRolloutEngine(ClosesOnAThread):
             from transformers import AutoConfig
 
             max_model_len = int(AutoConfig.from_pretrained(str(self.model_path)).max_position_embeddings)
+        # With LoRA, what each worker needs to build an adapter: its tensors' names and its settings.
+        self._lora = None if lora is None else {"names": sorted(adapter_names(self.model_path, lora)),
+                                                 "settings": _peft_settings(lora)}  # fmt: skip
+        if self._lora is not None and any(".lm_head." in name for name in self._lora["names"]):
+            # The workers compute logits without vLLM's lm_head adapter (engines.vllm.worker).
+            raise ValueError("engines.lora.target_modules: vLLM serves no adapter of lm_head here; leave it out")
+        self._adapter: Any = None  # the current LoRARequest; None: the base model
+        self._adapter_users: dict[int, int] = {}  # requests in flight by adapter id
+        adapters = {} if lora is None else {
+            "enable_lora": True, "max_lora_rank": min(r for r in _VLLM_LORA_RANKS if r >= lora.r),
+            "max_loras": max_loras, "max_cpu_loras": max_loras + 1,  # + the one an update adds
+        }  # fmt: skip
         self._args = AsyncEngineArgs(
             model=str(self.model_path),
             dtype=dtype,
@@ -184,6 +229,7 @@ class VllmRolloutEngine(ClosesOnAThread):
             worker_extension_cls=worker_extension,
             enable_prefix_caching=True,
             disable_log_stats=True,
+            **adapters,
         )
         # Stop where the embedded engine stops (the model's generation config), not at whatever
         # the tokenizer calls end-of-sequence: the same job ends its samples the same way.
@@ -305,13 +351,24 @@ class VllmRolloutEngine(ClosesOnAThread):
             logprobs=0, output_kind=RequestOutputKind.FINAL_ONLY,
         )  # fmt: skip
         rid = f"{request.prompt_id}-{request.index}-{uuid.uuid4().hex[:8]}"
-        out = (await _final(self._llm.generate(tokens_input(list(request.prompt_ids)), params, rid))).outputs[0]
+        adapter, adapter_version = self._adapter, self._version  # kept to the request's end (module docstring)
+        if adapter is not None:
+            self._adapter_users[adapter.lora_int_id] = self._adapter_users.get(adapter.lora_int_id, 0) + 1
+        try:
+            prompt = tokens_input(list(request.prompt_ids))
+            out = (await _final(self._llm.generate(prompt, params, rid, lora_request=adapter))).outputs[0]
+        finally:
+            if adapter is not None:
+                self._adapter_users[adapter.lora_int_id] -= 1
         if out.finish_reason not in ("stop", "length"):
             raise RuntimeError(f"vLLM request {rid} ended with {out.finish_reason!r}")
         ids = list(out.token_ids)
         logprobs = [entry[token].logprob for token, entry in zip(ids, out.logprobs or [], strict=True)]
-        spans = [(span.version, span.start, span.end) for span in out.weight_versions or []]
-        versions = token_versions(spans, len(ids), self._version)
+        if self._lora is not None:
+            versions = [adapter_version] * len(ids)
+        else:
+            spans = [(span.version, span.start, span.end) for span in out.weight_versions or []]
+            versions = token_versions(spans, len(ids), self._version)
         return token_trajectory(
             request.prompt_id, request.index, list(request.prompt_ids), ids, logprobs, versions,
             FinishReason.STOP if out.finish_reason == "stop" else FinishReason.LENGTH, text=out.text,
@@ -323,12 +380,52 @@ class VllmRolloutEngine(ClosesOnAThread):
         from vllm.inputs.engine import tokens_input
 
         params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
-        final = await _final(self._llm.generate(tokens_input(token_ids), params, f"probe-{uuid.uuid4().hex[:8]}"))
+        rid = f"probe-{uuid.uuid4().hex[:8]}"
+        final = await _final(self._llm.generate(tokens_input(token_ids), params, rid, lora_request=self._adapter))
         return [entry[token].logprob for token, entry in zip(token_ids[1:], final.prompt_logprobs[1:], strict=True)]
 
     async def _load(self, segment: str, manifest: Manifest, headers: list[BucketHeader]) -> LoadReport:
         async with self._loads:
+            if self._lora is not None:
+                return await self._load_adapter(segment, manifest, headers)
             return await self._load_now(segment, manifest, headers)
+
+    async def _load_adapter(self, segment: str, manifest: Manifest, headers: list[BucketHeader]) -> LoadReport:
+        """Add the adapter at ``manifest.version`` and make it current; generation goes on."""
+        from vllm.lora.request import LoRARequest
+
+        t0 = time.perf_counter()
+        held = await self._release_unused_adapters()
+        if held >= self._args.max_cpu_loras:
+            error = (f"vLLM holds {held} adapters still in use by requests in flight (at most "
+                     f"{self._args.max_cpu_loras}): more versions in flight than the staleness bound allows")  # fmt: skip
+            return LoadReport("vllm", self._version, False, error)
+        layout = {"segment": segment, "manifest": manifest_to_json(manifest), "headers": [header_to_json(h) for h in headers],
+                  **self._lora}  # fmt: skip
+        answers = await self._llm.collective_rpc("tandem_load_adapter_shm", kwargs=layout)
+        reports = [LoadReport(**answer) for answer in answers]
+        stall_s = time.perf_counter() - t0  # the engine core ran the load between two of its steps
+        failed = [r for r in reports if not r.ok]
+        if failed:
+            return LoadReport("vllm", self._version, False, "; ".join(r.error for r in failed), stall_s=stall_s)
+        version = manifest.version
+        self._adapter, self._version = LoRARequest(f"tandem-v{version}", adapter_id(version), _ADAPTER_PATH), version
+        return LoadReport("vllm", version, True, verify_s=max(r.verify_s for r in reports),
+                          load_s=max(r.load_s for r in reports), stall_s=stall_s)
+
+    async def _release_unused_adapters(self) -> int:
+        """Remove from vLLM every adapter neither current nor used by a request in flight; how many it still holds."""
+        current = None if self._adapter is None else self._adapter.lora_int_id
+        held = await self._llm.list_loras()
+        for lora_id in held:
+            if lora_id != current and not self._adapter_users.get(lora_id):
+                await self._llm.remove_lora(lora_id)
+                self._adapter_users.pop(lora_id, None)
+        return len(await self._llm.list_loras())
+
+    def adapters_held(self) -> set[int]:
+        """The adapter ids vLLM holds now (blocking; not from the engine's loop)."""
+        return set(self._call(self._llm.list_loras(), 60.0))
 
     async def _load_now(self, segment: str, manifest: Manifest, headers: list[BucketHeader]) -> LoadReport:
         t0 = time.perf_counter()
@@ -357,6 +454,13 @@ class VllmRolloutEngine(ClosesOnAThread):
         # leaves its message queues (~400 MB of /dev/shm) behind (seen here on 2 busy cores).
         llm.shutdown(timeout=_SHUTDOWN_GRACE_S)
         del llm  # collected now, not by its __del__ at interpreter exit (which fails there)
+
+
+def _peft_settings(lora: peft.LoraConfig) -> dict[str, Any]:
+    """What vLLM's ``PEFTHelper`` reads of an adapter's peft settings (those of ``adapter_config.json``)."""
+    targets = lora.target_modules
+    return {"r": lora.r, "lora_alpha": lora.lora_alpha, "bias": lora.bias, "use_rslora": lora.use_rslora,
+            "use_dora": lora.use_dora, "target_modules": targets if isinstance(targets, str) else sorted(targets)}
 
 
 async def _final(outputs: AsyncIterator[Any]) -> Any:

@@ -12,6 +12,11 @@ reload can leave stale (the tied LM head, ``engines.vllm.worker``); a load into 
 parameter, a dtype cast gone wrong or a kept KV cache would all pass the checksums. Log-probs
 of one sequence catch each of these in milliseconds.
 
+With a LoRA adapter the transfer is the adapter's tensors alone (:class:`VllmAdapterTransport`),
+and the probe compares vLLM's scoring under its current adapter with the trainer's own record at
+the synced version (``engines.shared.probe.ProbedTransport``, as for the embedded engine): the
+reference is the trainer's peft model, not a second model here.
+
 Invariants: a sync whose probe gap exceeds the bound fails (``LoadReport.ok`` False, the error
 naming the gap), so the flow's degradation policy applies as for any failed sync; the gap of
 every sync is recorded (``WeightProbe.last_gap``) for the run's metrics.
@@ -27,12 +32,20 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from tandem.engines.shared.probe import probe_gap, probe_logprobs, probe_sequence
+from tandem.engines.shared.probe import (
+    ProbedTransport,
+    ProbedWeightSync,
+    ProbeRecord,
+    probe_gap,
+    probe_logprobs,
+    probe_sequence,
+)
+from tandem.engines.shared.weight_sync import SyncedTrainer, TorchWeightSync
 from tandem.param_sync import BucketHeader, BufferHalf, LoadReport, Manifest
 from tandem.param_sync.bucket import dtype_from_name
 from tandem.param_sync.transports.shm import segment_half
 
-__all__ = ["VllmEndpoint", "VllmShmTransport", "WeightProbe"]
+__all__ = ["VllmAdapterTransport", "VllmEndpoint", "VllmShmTransport", "WeightProbe", "adapter_sync"]
 
 
 class WeightProbe:
@@ -118,3 +131,33 @@ class VllmShmTransport:
 
     def close(self) -> None:
         """Nothing held between transfers: the workers unmap each segment when its load ends."""
+
+
+class VllmAdapterTransport:
+    """The trainer's adapter, in shared-memory buffer halves, added by ``engine`` as its new current
+    adapter (``VllmRolloutEngine`` started with ``lora``); the probe wraps it (``ProbedTransport``)."""
+
+    def __init__(self, engine: VllmEndpoint) -> None:
+        self._engine = engine
+
+    def allocate(self, nbytes: int) -> BufferHalf:
+        return segment_half(nbytes)
+
+    def send(self, manifest: Manifest, half: BufferHalf, buckets: Iterable[BucketHeader]) -> list[LoadReport]:
+        if half.segment is None:
+            raise ValueError("the vLLM transport sends only halves it allocated")
+        return [self._engine.load_from_shm(half.segment, manifest, list(buckets))]
+
+    def close(self) -> None:
+        """Nothing held between transfers: the workers unmap each segment when its load ends."""
+
+
+def adapter_sync(
+    trainer: SyncedTrainer, record: ProbeRecord[list[int]], engine: VllmEndpoint, *, max_gap: float,
+    produce_bucket_mb: float,
+) -> ProbedWeightSync:  # fmt: skip
+    """The weight sync of a LoRA ``trainer`` into ``engine``: the adapter's tensors alone, each
+    load proven against the trainer's probe ``record`` (a gap above ``max_gap`` fails the sync:
+    the adapter did not land), the gap reported as ``logprob_gap``."""
+    transport = ProbedTransport(VllmAdapterTransport(engine), record, engine.score, max_gap=max_gap, what="the adapter")
+    return ProbedWeightSync(TorchWeightSync.through(trainer, transport, produce_bucket_mb=produce_bucket_mb), transport)

@@ -3,7 +3,9 @@
 What it owns: inside each vLLM worker process, a :class:`~param_sync.Receiver` over a
 :class:`VllmModelTarget`, so a transfer into vLLM is checked exactly as one into the embedded
 engine (versions, bucket order, every bucket's checksum) before a byte reaches the model, and
-the shared-memory segment it maps for the length of one transfer.
+the shared-memory segment it maps for the length of one transfer. With LoRA (the engine started
+with ``enable_lora``), a second receiver takes the adapter's transfers: each verified adapter
+becomes a new vLLM adapter (:meth:`TandemWorkerExtension.tandem_load_adapter_shm`).
 
 vLLM mixes :class:`TandemWorkerExtension` into its worker class (``worker_extension_cls``); the
 engine calls :meth:`TandemWorkerExtension.tandem_load_shm` through ``collective_rpc`` (in
@@ -15,6 +17,12 @@ vLLM views of it.
 Loading: ``reload_weights(weights_iterator=...)`` with the checkpoint's (transformers') names,
 so vLLM fuses and repacks as it does at start-up. Not ``param.copy_`` nor ``model.load_weights``:
 on CPU the linear layers keep repacked (oneDNN) copies that those would leave stale.
+
+Adapters: built from the transfer's tensors in memory (vLLM's ``LoRAModel.from_lora_tensors``,
+copied out of the segment, ~2 ms for the tiny test model) and added to the worker's adapter
+cache under the id the engine chose; no folder is written. vLLM's public path,
+``add_lora(LoRARequest(name, id, path))``, reads a peft folder: the engine's requests name this
+id, already cached, so vLLM never reads their (placeholder) path.
 
 Invariants: a transfer whose manifest, headers or bytes are wrong fails before the model is
 touched, and the report says why; a model with tied embeddings has its output projection
@@ -37,7 +45,7 @@ from tandem.engines.server.schemas import header_from_json, manifest_from_json
 from tandem.param_sync import LayoutError, Manifest, Receiver, StaleVersionError, TensorSlice
 from tandem.param_sync.bucket import dtype_from_name
 
-__all__ = ["TandemWorkerExtension", "VllmModelTarget", "checkpoint_weight_names"]
+__all__ = ["TandemWorkerExtension", "VllmModelTarget", "adapter_id", "checkpoint_weight_names"]
 
 
 def _ask_for_amx() -> None:
@@ -52,6 +60,11 @@ def _ask_for_amx() -> None:
 
 
 _ask_for_amx()
+
+
+def adapter_id(version: int) -> int:
+    """vLLM's id of the adapter at ``version`` (ids must be positive; versions start at 0)."""
+    return version + 1
 
 
 def checkpoint_weight_names(model_path: str | Path) -> frozenset[str]:
@@ -76,7 +89,7 @@ class VllmModelTarget:
     mapped until the transfer ends, so collecting them copies nothing."""
 
     def __init__(self, reload: Any, expected_names: frozenset[str], *, version: int = 0) -> None:
-        self._reload = reload  # (Iterable[(name, tensor)]) -> None
+        self._reload = reload  # (Iterable[(name, tensor)], version) -> None
         self._expected = expected_names
         self._version = version
         self._manifest: Manifest | None = None
@@ -105,7 +118,7 @@ class VllmModelTarget:
 
     def commit(self, version: int) -> float:
         assert self._manifest is not None, "commit without begin_update"
-        self._reload(self._tensors(self._manifest))
+        self._reload(self._tensors(self._manifest), version)
         self._version, self._manifest, self._slices = version, None, {}
         return 0.0  # generation was paused by the caller, who times the stall
 
@@ -130,27 +143,60 @@ class TandemWorkerExtension:
     def tandem_load_shm(self, segment: str, manifest: dict[str, Any], headers: list[dict[str, int]]) -> dict[str, Any]:
         """Verify and load one transfer from the trainer's shared-memory segment ``segment``;
         returns the :class:`~param_sync.LoadReport` as a dict."""
-        receiver = self._tandem_receiver()
-        layout = manifest_from_json(manifest)
-        mapping: mmap.mmap | None = None
-        try:
-            mapping = attach_segment(segment)
-            stream = np.frombuffer(mapping, dtype=np.uint8)
-            receiver.begin(layout, stream)
-            for header in headers:
-                receiver.bucket(header_from_json(header))
-            report = receiver.end()
-        except Exception as exc:  # a segment that cannot be mapped fails this transfer only
-            report = receiver.abort(f"{type(exc).__name__}: {exc}")
-        finally:
-            stream = None  # the views go before the mapping
-            if mapping is not None:
-                _close_mapping(mapping)
-        return {"engine": report.engine, "version": report.version, "ok": report.ok, "error": report.error,
-                "verify_s": report.verify_s, "load_s": report.load_s, "stall_s": report.stall_s}
+        return _receive(self._tandem_receiver(), segment, manifest, headers)
+
+    def tandem_load_adapter_shm(
+        self, segment: str, manifest: dict[str, Any], headers: list[dict[str, int]], names: list[str],
+        settings: dict[str, Any],
+    ) -> dict[str, Any]:  # fmt: skip
+        """Verify one adapter transfer (tensors ``names``, peft's, the adapter's ``settings``) and
+        add it to vLLM's adapter cache as id ``version + 1`` (:func:`adapter_id`), replacing one of
+        that id; returns the :class:`~param_sync.LoadReport` as a dict."""
+        receiver: Receiver | None = getattr(self, "_tandem_adapter_receiver", None)
+        if receiver is None:
+            target = VllmModelTarget(lambda tensors, version: self._tandem_add_adapter(tensors, version, settings),
+                                     frozenset(names))  # fmt: skip
+            receiver = self._tandem_adapter_receiver = Receiver(target, consume_bucket_mb=1024.0, engine="vllm")
+        return _receive(receiver, segment, manifest, headers)
 
     def tandem_loaded_version(self) -> int:
         return self._tandem_receiver().target.loaded_version
+
+    def _tandem_add_adapter(self, tensors: Iterator[tuple[str, torch.Tensor]], version: int, settings: dict[str, Any]) -> None:
+        from vllm.lora.lora_model import LoRAModel
+        from vllm.lora.peft_helper import PEFTHelper
+
+        workers = self.model_runner.lora_manager  # vLLM's LRUCacheWorkerLoRAManager
+        helper = PEFTHelper.from_dict(settings)
+        helper.validate_legal(workers.lora_config)
+        renames = getattr(workers._adapter_manager.model, "hf_to_vllm_mapper", None)
+        adapter = LoRAModel.from_lora_tensors(
+            adapter_id(version), {name: t.clone() for name, t in tensors},  # out of the segment, unmapped after
+            helper, device="cpu", dtype=workers.lora_config.lora_dtype, model_vocab_size=workers.vocab_size,
+            weights_mapper=None if renames is None else renames.get_rename_mapper(),
+        )  # fmt: skip
+        cache = workers._adapter_manager
+        cache.remove_adapter(adapter.id)  # a version sent again replaces its adapter
+        if len(cache) >= cache.capacity:  # the engine removes unused adapters first: never evict one in use
+            raise RuntimeError(f"vLLM's adapter cache is full ({len(cache)} of {cache.capacity})")
+        cache.add_adapter(adapter)
+        self._tandem_plain_logits()
+
+    def _tandem_plain_logits(self) -> None:
+        """Compute logits without vLLM's LoRA wrapper of the logits processor (idempotent).
+
+        vLLM wraps the output projection for adapters of ``lm_head``, which the engine never
+        serves (it refuses them). On CPU that wrapper breaks prompt log-probs (the probe's) whenever
+        other requests share the batch: it indexes the prompt's positions by the batch's requests
+        (``einsum(): subscript b has size 17 ... 31``) and the engine core dies. Without an
+        ``lm_head`` adapter its contribution is zero, so the plain processor computes the same logits.
+        """
+        from vllm.lora.layers import LogitsProcessorWithLoRA
+
+        model = self.model_runner.get_model()
+        wrapper = getattr(model, "logits_processor", None)
+        if isinstance(wrapper, LogitsProcessorWithLoRA):
+            model.logits_processor = wrapper.base_layer
 
     def refresh_output_projection(self) -> None:
         """Re-pack the output projection from the (re)loaded weights.
@@ -173,9 +219,30 @@ class TandemWorkerExtension:
             self._tandem_receiver_instance = receiver
         return receiver
 
-    def _tandem_reload(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+    def _tandem_reload(self, weights: Iterator[tuple[str, torch.Tensor]], version: int) -> None:
         self.reload_weights(weights_iterator=weights)  # the worker's: under its vLLM config
         self.refresh_output_projection()
+
+
+def _receive(receiver: Receiver, segment: str, manifest: dict[str, Any], headers: list[dict[str, int]]) -> dict[str, Any]:
+    """One transfer from shared-memory segment ``segment`` through ``receiver``; its report as a dict."""
+    layout = manifest_from_json(manifest)
+    mapping: mmap.mmap | None = None
+    try:
+        mapping = attach_segment(segment)
+        stream = np.frombuffer(mapping, dtype=np.uint8)
+        receiver.begin(layout, stream)
+        for header in headers:
+            receiver.bucket(header_from_json(header))
+        report = receiver.end()
+    except Exception as exc:  # a segment that cannot be mapped fails this transfer only
+        report = receiver.abort(f"{type(exc).__name__}: {exc}")
+    finally:
+        stream = None  # the views go before the mapping
+        if mapping is not None:
+            _close_mapping(mapping)
+    return {"engine": report.engine, "version": report.version, "ok": report.ok, "error": report.error,
+            "verify_s": report.verify_s, "load_s": report.load_s, "stall_s": report.stall_s}
 
 
 def _close_mapping(mapping: mmap.mmap) -> None:

@@ -16,6 +16,7 @@ from typing import Any
 
 import psutil
 import pytest
+import torch
 
 from tandem.core.config import ConfigError, TandemConfig, load_config, validate_config
 from tandem.core.paths import CONFIGS_DIR
@@ -134,6 +135,26 @@ def test_the_frozenlake_agent_trains_turn_by_turn_on_vllm() -> None:
     assert len(result.steps) == 2 and result.ledger["balanced"]
     assert result.steps[-1].rollout_metrics["turns"] >= 1.0  # episodes of several model turns
     assert result.syncs and all(s.metrics["logprob_gap"] < 1e-4 for s in result.syncs)
+
+
+def test_the_lora_job_trains_on_vllm_syncing_the_adapter_alone_with_every_sync_proven(tmp_path: Path) -> None:
+    pytest.importorskip("peft", reason="LoRA needs the lora extra (peft)")
+    config = load_config(CONFIGS_DIR / "lora_arithmetic.yaml", [
+        "run.max_steps=3", "run.save_steps=3", f"run.output_dir={tmp_path}", "train.prompts_per_step=4",
+        "rollout.samples_per_prompt=4", "engines.generation_threads=1", "engines.train_threads=1", "engines.rollout=vllm",
+        "engines.vllm.enforce_eager=true", "validation.every_versions=null", "observability.metrics_port=null",
+        "observability.trace=false",
+    ])  # fmt: skip
+    result = run(config)
+    assert len(result.steps) == 3 and result.ledger["balanced"] and result.ledger["dropped"] == 0
+    assert all(int(s) <= config.staleness.k for s in result.staleness_counts)
+    saved = torch.load(tmp_path / "lora_arithmetic" / "checkpoints" / "step_00000003" / "trainer.pt", weights_only=True)
+    adapter_bytes = sum(t.numel() * t.element_size() for t in saved["model"].values())
+    assert result.syncs and all(s.metrics["bytes"] == adapter_bytes for s in result.syncs)  # the adapter alone
+    assert all(s.metrics["logprob_gap"] < 1e-4 for s in result.syncs)  # fp32: vLLM's adapter = the trainer's
+    for record in result.steps:  # tokens the synced adapters sampled agree with the trainer's log-probs
+        metrics = record.train_metrics
+        assert metrics["rollout_gap_count"] == 0 or metrics["rollout_gap_abs_max"] < 1e-3
 
 
 def test_vllm_refuses_a_kept_kv_cache_before_anything_starts() -> None:

@@ -30,8 +30,7 @@ def test_the_defaults_train_rank_8_at_the_engines_lr_with_the_probe_on() -> None
 @pytest.mark.parametrize(
     ("sections", "message"),
     [
-        ({"engines": {"rollout": "vllm"}}, r"engines.lora with engines.rollout=vllm: .*embedded"),
-        ({"engines": {"rollout": "vllm_server"}}, r"engines.lora with engines.rollout=vllm_server: .*embedded or server"),
+        ({"engines": {"rollout": "vllm_server"}}, r"engines.lora with engines.rollout=vllm_server: .*embedded, server or vllm"),
         ({"engines": {"train": "megatron"}}, r"engines.lora with engines.train=megatron: .*engines.data_parallel=fsdp2 or ddp"),
         ({"cluster": {"backend": "ray"}}, r"engines.lora with cluster.backend=ray"),
         ({"engines": {"lora": {"target_modules": []}}}, r"engines.lora.target_modules: give at least one"),
