@@ -215,7 +215,9 @@ class VllmConfig(Section):
     each token stamped with its own) or ``wait`` (the update waits until they finish under the
     old weights: every trajectory has one version, at the cost of a stall as long as the longest
     request in flight). ``keep`` is abort-and-resume-with-recompute done inside vLLM, without the
-    round trip; vLLM's third mode, ``abort``, would lose their tokens: not offered."""
+    round trip; vLLM's third mode, ``abort``, would lose their tokens: not offered. With
+    ``engines.lora`` neither applies: an update adds the new adapter without pausing, and a request
+    in flight finishes under the adapter it started with (``engines.vllm.engine``)."""
     enforce_eager: bool = False
     """vLLM's ``enforce_eager``: run the model eagerly instead of compiling it. Measured here on
     the shipped 1M model (CPU): start 21-25 s instead of 54-71 s, decode 3,700-4,400 tokens/s

@@ -251,6 +251,8 @@ class VllmRolloutEngine(ClosesOnAThread):
         with vllm_environment(self._settings.environment()):
             self._llm = AsyncLLM.from_engine_args(self._args)
         await self._llm.update_weight_version(str(self._version))
+        if self._lora is not None:
+            await self._llm.collective_rpc("tandem_plain_logits")  # before any request: engines.vllm.worker
         try:  # one forward now: a model vLLM cannot run (say, an unsupported head size) fails the start
             await self._score([0, 0])
         except Exception as exc:

@@ -180,10 +180,10 @@ class TandemWorkerExtension:
         if len(cache) >= cache.capacity:  # the engine removes unused adapters first: never evict one in use
             raise RuntimeError(f"vLLM's adapter cache is full ({len(cache)} of {cache.capacity})")
         cache.add_adapter(adapter)
-        self._tandem_plain_logits()
 
-    def _tandem_plain_logits(self) -> None:
-        """Compute logits without vLLM's LoRA wrapper of the logits processor (idempotent).
+    def tandem_plain_logits(self) -> None:
+        """Compute logits without vLLM's LoRA wrapper of the logits processor (the engine calls it
+        at start-up when it serves adapters; idempotent).
 
         vLLM wraps the output projection for adapters of ``lm_head``, which the engine never
         serves (it refuses them). On CPU that wrapper breaks prompt log-probs (the probe's) whenever
