@@ -159,5 +159,8 @@ def adapter_sync(
     """The weight sync of a LoRA ``trainer`` into ``engine``: the adapter's tensors alone, each
     load proven against the trainer's probe ``record`` (a gap above ``max_gap`` fails the sync:
     the adapter did not land), the gap reported as ``logprob_gap``."""
-    transport = ProbedTransport(VllmAdapterTransport(engine), record, engine.score, max_gap=max_gap, what="the adapter")
+    def score(token_ids: list[int], _name: str) -> list[float]:  # one engine: every report is its own
+        return engine.score(token_ids)
+
+    transport = ProbedTransport(VllmAdapterTransport(engine), record, score, max_gap=max_gap, what="the adapter")
     return ProbedWeightSync(TorchWeightSync.through(trainer, transport, produce_bucket_mb=produce_bucket_mb), transport)
