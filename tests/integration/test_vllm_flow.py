@@ -157,21 +157,6 @@ def test_the_lora_job_trains_on_vllm_syncing_the_adapter_alone_with_every_sync_p
         assert metrics["rollout_gap_count"] == 0 or metrics["rollout_gap_abs_max"] < 1e-3
 
 
-def test_the_lora_job_on_an_fsdp2_trainer_group_syncs_its_adapter_to_vllm() -> None:
-    pytest.importorskip("peft", reason="LoRA needs the lora extra (peft)")
-    config = load_config(CONFIGS_DIR / "lora_arithmetic.yaml", [
-        "run.max_steps=4", "train.prompts_per_step=2", "rollout.samples_per_prompt=4", "engines.generation_threads=1",
-        "engines.train_threads=1", "engines.rollout=vllm", "engines.vllm.enforce_eager=true", "engines.data_parallel=fsdp2",
-        "engines.train_world_size=2", "validation.every_versions=null", "observability.metrics_port=null",
-        "observability.write_run_dir=false", "observability.trace=false",
-    ])  # fmt: skip
-    result = run(config)
-    assert len(result.steps) == 4 and result.ledger["balanced"]
-    model_bytes = sum(f.stat().st_size for f in Path(MODEL_DIR).glob("*.safetensors"))
-    assert result.syncs and all(s.metrics["bytes"] < model_bytes / 4 for s in result.syncs)  # the adapter alone
-    assert all(s.metrics["logprob_gap"] < 1e-4 for s in result.syncs)  # the group's adapter landed in vLLM
-
-
 def test_vllm_refuses_a_kept_kv_cache_before_anything_starts() -> None:
     with pytest.raises(ConfigError, match="keep_cache with engines.rollout=vllm"):
         vllm_config(engines={"resume_policy": "keep_cache"})
