@@ -163,7 +163,7 @@ def test_the_shipped_lora_job_trains_with_its_adapter_synced_to_a_server_and_pro
         "validation.every_versions=null", "observability.metrics_port=null", "observability.trace=false",
         "observability.write_run_dir=false", f"run.output_dir={tmp_path}",
     ])
-    result = asyncio.run(AsyncTrainingFlow(config, components=build_components(config)).run())
+    result = asyncio.run(AsyncTrainingFlow(config).run())  # the flow builds, and closes, the server and the sync
     assert len(result.steps) == 3 and result.syncs
     adapter_bytes = result.syncs[0].metrics["bytes"]
     assert all(s.metrics["bytes"] == adapter_bytes for s in result.syncs)
