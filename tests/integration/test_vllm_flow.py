@@ -125,14 +125,15 @@ def test_in_bfloat16_the_corrections_act_on_vllms_real_mismatch() -> None:
 def test_the_frozenlake_agent_trains_turn_by_turn_on_vllm() -> None:
     from tandem.tasks.frozenlake import MODEL_DIR as LAKE_MODEL
 
+    # Three steps at k = 1: the third trains samples of version 1 or later, so a sync must land.
     config = load_config(CONFIGS_DIR / "agentic_frozenlake.yaml", [
-        "run.max_steps=2", "train.prompts_per_step=2", "rollout.samples_per_prompt=4", "engines.generation_threads=1",
+        "run.max_steps=3", "train.prompts_per_step=2", "rollout.samples_per_prompt=4", "engines.generation_threads=1",
         "engines.train_threads=1", f"engines.model_path={LAKE_MODEL}", "engines.rollout=vllm",
         "engines.vllm.enforce_eager=true", "validation.every_versions=null", "observability.metrics_port=null",
         "observability.write_run_dir=false", "observability.trace=false",
     ])  # fmt: skip
     result = run(config)
-    assert len(result.steps) == 2 and result.ledger["balanced"]
+    assert len(result.steps) == 3 and result.ledger["balanced"]
     assert result.steps[-1].rollout_metrics["turns"] >= 1.0  # episodes of several model turns
     assert result.syncs and all(s.metrics["logprob_gap"] < 1e-4 for s in result.syncs)
 
@@ -202,15 +203,17 @@ def test_two_vllm_servers_behind_the_router_train_with_one_killed_in_between(tmp
     assert not engine_processes() - already, "no vLLM process outlives the run"
 
 
-def test_the_openai_client_agent_trains_two_steps_on_vllm(tmp_path: Path) -> None:
+def test_the_openai_client_agent_trains_three_steps_on_vllm(tmp_path: Path) -> None:
     """The shipped agent (``openai`` client, ``configs/arithmetic_openai_agent.yaml``) against one
     vLLM server: its calls reach vLLM through the run's recording proxy, and what trains is
-    vLLM's own tokens, log-probs and versions, equal to the trainer's at that version."""
+    vLLM's own tokens, log-probs and versions, equal to the trainer's at that version. Three
+    steps at k = 1: the third trains samples of version 1 or later, so a sync must have landed
+    (two steps may both train version 0's samples and end before any sync finishes)."""
     pytest.importorskip("openai")
     from tandem.engines.server.launcher import ServerFleet
 
     config = load_config(CONFIGS_DIR / "arithmetic_openai_agent.yaml", [  # the shipped config, made small
-        f"run.output_dir={tmp_path}", "run.max_steps=2", "run.seed=1", "train.prompts_per_step=2",
+        f"run.output_dir={tmp_path}", "run.max_steps=3", "run.seed=1", "train.prompts_per_step=2",
         "rollout.samples_per_prompt=4", f"rollout.max_new_tokens={MAX_RESPONSE_TOKENS}", "engines.generation_threads=1",
         "engines.train_threads=1", "engines.lr=1e-3", "engines.rollout=vllm_server", "engines.vllm.enforce_eager=true",
         "engines.servers.startup_timeout_s=400", "validation.every_versions=null", "observability.write_run_dir=false",
@@ -231,7 +234,7 @@ def test_the_openai_client_agent_trains_two_steps_on_vllm(tmp_path: Path) -> Non
 
     result, fleet = asyncio.run(train())
     ledger = result.ledger
-    assert len(result.steps) == 2 and ledger["balanced"] and ledger["dropped"] == 0 and ledger["trained"] == 2 * 2
+    assert len(result.steps) == 3 and ledger["balanced"] and ledger["dropped"] == 0 and ledger["trained"] == 3 * 2
     assert all(int(s) <= config.staleness.k for s in result.staleness_counts)  # versions from vLLM, bound kept
     assert all(r.tokens > 0 for r in result.steps)  # the recorded calls' tokens were trained
     assert result.syncs and all(s.metrics["logprob_gap"] < 1e-4 for s in result.syncs)
