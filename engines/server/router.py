@@ -137,8 +137,12 @@ class ServerRolloutEngine:
     async def _start(self) -> None:
         if self._ready is not None:
             await self._ready()
-        # One pool for every server; no per-host cap (a server batches every request it has).
-        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        # One pool for every server; no per-host cap (a server batches every request it has). Idle
+        # connections are let go before the servers let them go: vLLM's and sglang's uvicorn close
+        # an idle connection after 5 s (VLLM_HTTP_TIMEOUT_KEEP_ALIVE), aiohttp reuses one for 15 s by
+        # default, and a request written on a connection the server is closing fails with "connection
+        # reset": a healthy server was taken out of service that way in a two-server vLLM test.
+        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=3.0))
         self.endpoints = [Endpoint(url, self._client(url, self._session)) for url in self.urls]
         self._in_service.set()
         self._watcher = asyncio.ensure_future(self._watch())
