@@ -102,6 +102,12 @@ def wait_until_dead(handle: Any, timeout_s: float = 30.0) -> None:
 SHARED_INSTANCE_GROUPS = {"ray_cluster": "ray", "vllm_engine": "vllm"}
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Name xdist's marker here too, so the suite still collects under ``-p no:xdist`` (one process,
+    as when timing a single test) with ``--strict-markers``."""
+    config.addinivalue_line("markers", "xdist_group(name): run in the xdist worker of this group")
+
+
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
