@@ -42,7 +42,7 @@ of 2, 10 steps of the default job and 512 held-out problems took 17 s with full 
 ``results/e2e.json``) that puts learning near 16 minutes and the whole run near 20; at a load
 of 2, near 28. The default job trains 100 steps: the held-out accuracies the LoRA config's
 comment compares are at version 100. ``--tiny`` runs every part at a toy size (a 0.1M-parameter
-second model, one step, one seed) for the smoke test.
+second model, one step of two groups of two samples, one seed) for the smoke test.
 
 Prints a table per part and writes ``benchmarks/results/lora.json``.
 
@@ -474,7 +474,7 @@ def main() -> None:
     parser.add_argument("--digits-steps", type=int, default=40, help="train steps of the digits job's rows")
     parser.add_argument("--heldout", type=int, default=512, help="held-out arithmetic problems after training")
     parser.add_argument("--digits-heldout", type=int, default=200, help="held-out digit prompts after training")
-    parser.add_argument("--tiny", action="store_true", help="the smoke test's size: a 0.1M second model, 1 round, 1 step, 1 seed")
+    parser.add_argument("--tiny", action="store_true", help="smoke test: 0.1M second model, 1 round, 1 step of 4 samples, 1 seed")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     if args.tiny:
