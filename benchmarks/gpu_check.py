@@ -49,14 +49,18 @@ import time
 import traceback
 import xml.etree.ElementTree as ET
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
-import torch
-import transformers
-from gpu.common import Scale, Skipped, bf16_peak_flops
 from rich.console import Console
 from rich.table import Table
+
+if TYPE_CHECKING:
+    from gpu.common import Scale
+
+# torch, transformers and gpu.common (which imports torch) are imported in the functions that use
+# them: the runs' reward workers are spawned, and a spawned child re-imports this script, which
+# with them at the top cost each of the tiny mode's four runs about 4 s of CPU for nothing.
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "gpu_check.json"
@@ -109,6 +113,9 @@ def junit_outcomes(report: Path) -> list[dict[str, str]]:
 
 def run_part(name: str, scale: Scale) -> dict[str, Any]:
     """One part's figures, or why it was skipped, or its error; with its wall time and peak memory."""
+    import torch
+    from gpu.common import Skipped
+
     if scale.on_cuda:
         torch.cuda.reset_peak_memory_stats(scale.device)
     started = time.perf_counter()
@@ -129,6 +136,8 @@ def run_part(name: str, scale: Scale) -> dict[str, Any]:
 
 
 def versions() -> dict[str, str | None]:
+    import torch
+
     found: dict[str, str | None] = {"python": platform.python_version()}
     for name in LIBRARIES:
         try:
@@ -187,6 +196,10 @@ def main() -> None:
     parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
     parser.add_argument("--no-tests", action="store_true", help="leave out the gpu-marked tests")
     args = parser.parse_args()
+    import torch
+    import transformers
+    from gpu.common import Scale, bf16_peak_flops
+
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()

@@ -81,7 +81,6 @@ from pathlib import Path
 from typing import Any
 
 import structlog
-import torch
 from rich.console import Console
 from rich.table import Table
 
@@ -469,6 +468,10 @@ def main() -> None:
         print(markdown_table(json.loads(args.markdown.read_text())))
         return
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+    # Imported here, not at the top: every run's reward worker is spawned, and a spawned child
+    # re-imports this script; torch at the top cost each run about 2 s of CPU there, for nothing.
+    import torch
+
     torch.set_num_threads(1)
 
     started = time.perf_counter()

@@ -42,7 +42,7 @@ of 2, 10 steps of the default job and 512 held-out problems took 17 s with full 
 ``results/e2e.json``) that puts learning near 16 minutes and the whole run near 20; at a load
 of 2, near 28. The default job trains 100 steps: the held-out accuracies the LoRA config's
 comment compares are at version 100. ``--tiny`` runs every part at a toy size (a 0.1M-parameter
-second model, one step, one seed) for the smoke test.
+second model, one step of two groups of two samples, one seed) for the smoke test.
 
 Prints a table per part and writes ``benchmarks/results/lora.json``.
 
@@ -399,15 +399,17 @@ def measure_name(config: TandemConfig) -> str:
     return held_out_measure(task, [f.name for f in reward_functions(config, task)]).name
 
 
-def learn_row(job: str, mode: str, steps: int, seeds: list[int], heldout: int, output: Path) -> dict[str, Any]:
-    """One config of ``job`` trained ``steps`` steps per seed, then its final weights evaluated held out."""
+def learn_row(
+    job: str, mode: str, steps: int, seeds: list[int], heldout: int, output: Path, overrides: list[str]
+) -> dict[str, Any]:
+    """One config of ``job`` (with ``overrides``) trained ``steps`` steps per seed, then its final weights evaluated held out."""
     path = JOBS[job][MODES.index(mode)]
     runs, config = [], None
     for seed in seeds:
         config = load_config(path, [
             f"run.seed={seed}", f"run.max_steps={steps}", f"run.name=lora_bench_{job}_{mode}_s{seed}", f"run.output_dir={output}",
             "observability.write_run_dir=false", "observability.metrics_port=null", "observability.trace=false",
-            "validation.every_versions=null", f"validation.prompts={heldout}",
+            "validation.every_versions=null", f"validation.prompts={heldout}", *overrides,
         ])  # fmt: skip
         runs.append(asyncio.run(train_and_evaluate(config, heldout)))
         print(f"  {job} {mode} seed={seed}: reward {runs[-1]['reward']:.3f} heldout {runs[-1]['heldout']:.3f} "
@@ -423,9 +425,9 @@ def learn_row(job: str, mode: str, steps: int, seeds: list[int], heldout: int, o
     }  # fmt: skip
 
 
-def learn_job(job: str, steps: int, seeds: list[int], heldout: int) -> dict[str, Any]:
+def learn_job(job: str, steps: int, seeds: list[int], heldout: int, overrides: list[str]) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as output:
-        rows = {mode: learn_row(job, mode, steps, seeds, heldout, Path(output)) for mode in MODES}
+        rows = {mode: learn_row(job, mode, steps, seeds, heldout, Path(output), overrides) for mode in MODES}
     if rows["full"]["samples_trained"] != rows["lora"]["samples_trained"]:
         raise RuntimeError(f"{job}: the two configs trained {rows['full']['samples_trained']} and "
                            f"{rows['lora']['samples_trained']} samples: not a comparison at equal samples")  # fmt: skip
@@ -472,7 +474,7 @@ def main() -> None:
     parser.add_argument("--digits-steps", type=int, default=40, help="train steps of the digits job's rows")
     parser.add_argument("--heldout", type=int, default=512, help="held-out arithmetic problems after training")
     parser.add_argument("--digits-heldout", type=int, default=200, help="held-out digit prompts after training")
-    parser.add_argument("--tiny", action="store_true", help="the smoke test's size: a 0.1M second model, 1 round, 1 step, 1 seed")
+    parser.add_argument("--tiny", action="store_true", help="smoke test: 0.1M second model, 1 round, 1 step of 4 samples, 1 seed")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     if args.tiny:
@@ -506,7 +508,9 @@ def main() -> None:
     if "learning" in args.parts:
         console.log("learning")
         steps = {"arithmetic": (args.arithmetic_steps, args.heldout), "digits": (args.digits_steps, args.digits_heldout)}
-        doc["learning"] = {job: learn_job(job, n, args.seeds, heldout) for job, (n, heldout) in steps.items()}
+        # The tiny step: two groups of two samples, the fewest that still give GRPO advantages to train on.
+        batch = ["train.prompts_per_step=2", "rollout.samples_per_prompt=2"] if args.tiny else []
+        doc["learning"] = {job: learn_job(job, n, args.seeds, heldout, batch) for job, (n, heldout) in steps.items()}
         print_learning(console, doc["learning"])
 
     doc["settings"] = {k: v for k, v in vars(args).items() if k != "out"} | {"big_model": shape}
