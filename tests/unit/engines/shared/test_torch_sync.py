@@ -150,13 +150,17 @@ async def test_tokens_generated_while_syncs_land_carry_the_version_that_produced
     forwards = 0
     reached = {n: threading.Event() for n in (6, 30, 55)}
 
+    syncing = threading.Event()
+
     def pace(*_: object) -> None:
-        # Slows decoding a little so the three syncs land while rows are mid-sequence.
+        # Slows decoding so the syncs land while rows are mid-sequence: a little always, ten
+        # times more while a sync is on its way (between steps its commit goes first), so a slow
+        # sync on a loaded machine still lands before the rows it started beside have finished.
         nonlocal forwards
         forwards += 1
         if forwards in reached:
             reached[forwards].set()
-        time.sleep(0.002)
+        time.sleep(0.02 if syncing.is_set() else 0.002)
 
     e.rollout.model.register_forward_hook(pace)
     generation = asyncio.ensure_future(collect(e.rollout.generate(requests(8, 30))))
@@ -164,7 +168,9 @@ async def test_tokens_generated_while_syncs_land_carry_the_version_that_produced
         await e.trainer.train_step(groups(version), pg_loss)
         snapshots[version] = {k: v.clone() for k, v in e.trainer.model.state_dict().items()}
         await asyncio.to_thread(at.wait, 10)
+        syncing.set()
         assert (await e.sync.sync(version)).version == version
+        syncing.clear()
     samples = await generation
 
     async with TorchLogProbEngine(str(model_dir)) as scorer:
