@@ -12,8 +12,8 @@ reload can leave stale (the tied LM head, ``engines.vllm.worker``); a load into 
 parameter, a dtype cast gone wrong or a kept KV cache would all pass the checksums. Log-probs
 of one sequence catch each of these in milliseconds.
 
-With a LoRA adapter the transfer is the adapter's tensors alone (:class:`VllmAdapterTransport`),
-and the probe compares vLLM's scoring under its current adapter with the trainer's own record at
+With a LoRA adapter the transfer is the adapter's tensors alone (:func:`adapter_sync`), and the
+probe compares vLLM's scoring under its current adapter with the trainer's own record at
 the synced version (``engines.shared.probe.ProbedTransport``, as for the embedded engine): the
 reference is the trainer's peft model, not a second model here.
 
@@ -45,7 +45,7 @@ from tandem.param_sync import BucketHeader, BufferHalf, LoadReport, Manifest
 from tandem.param_sync.bucket import dtype_from_name
 from tandem.param_sync.transports.shm import segment_half
 
-__all__ = ["VllmAdapterTransport", "VllmEndpoint", "VllmShmTransport", "WeightProbe", "adapter_sync"]
+__all__ = ["VllmEndpoint", "VllmShmTransport", "WeightProbe", "adapter_sync"]
 
 
 class WeightProbe:
@@ -100,9 +100,11 @@ class VllmEndpoint(Protocol):
 
 class VllmShmTransport:
     """The trainer's buffer halves, in shared memory, loaded in place by each vLLM's workers,
-    then probed; ``endpoints`` is asked per transfer (the servers in service may change)."""
+    then probed against ``probe`` (full weights); ``endpoints`` is asked per transfer (the servers
+    in service may change). ``probe=None``: the caller proves each load, as :func:`adapter_sync`'s
+    ``ProbedTransport`` does against the trainer's own record."""
 
-    def __init__(self, endpoints: Callable[[], Sequence[VllmEndpoint]], probe: WeightProbe) -> None:
+    def __init__(self, endpoints: Callable[[], Sequence[VllmEndpoint]], probe: WeightProbe | None) -> None:
         self._endpoints = endpoints
         self._probe = probe
 
@@ -119,34 +121,16 @@ class VllmShmTransport:
         # One after the other: each endpoint stands still only for its own load (~50 ms here).
         for endpoint in self._endpoints():
             report = endpoint.load_from_shm(half.segment, manifest, headers)
-            if report.ok:
+            if report.ok and self._probe is not None:
                 if expected is None:
                     expected = self._probe.reference(manifest, half.array)
                 gap, error = self._probe.check(endpoint, expected, manifest.version)
                 gaps.append(gap)
                 report = dataclasses.replace(report, ok=False, error=error) if error else report
             reports.append(report)
-        self._probe.last_gap = max(gaps) if gaps else None
+        if self._probe is not None:
+            self._probe.last_gap = max(gaps) if gaps else None
         return reports
-
-    def close(self) -> None:
-        """Nothing held between transfers: the workers unmap each segment when its load ends."""
-
-
-class VllmAdapterTransport:
-    """The trainer's adapter, in shared-memory buffer halves, added by ``engine`` as its new current
-    adapter (``VllmRolloutEngine`` started with ``lora``); the probe wraps it (``ProbedTransport``)."""
-
-    def __init__(self, engine: VllmEndpoint) -> None:
-        self._engine = engine
-
-    def allocate(self, nbytes: int) -> BufferHalf:
-        return segment_half(nbytes)
-
-    def send(self, manifest: Manifest, half: BufferHalf, buckets: Iterable[BucketHeader]) -> list[LoadReport]:
-        if half.segment is None:
-            raise ValueError("the vLLM transport sends only halves it allocated")
-        return [self._engine.load_from_shm(half.segment, manifest, list(buckets))]
 
     def close(self) -> None:
         """Nothing held between transfers: the workers unmap each segment when its load ends."""
@@ -159,8 +143,9 @@ def adapter_sync(
     """The weight sync of a LoRA ``trainer`` into ``engine``: the adapter's tensors alone, each
     load proven against the trainer's probe ``record`` (a gap above ``max_gap`` fails the sync:
     the adapter did not land), the gap reported as ``logprob_gap``."""
+
     def score(token_ids: list[int], _name: str) -> list[float]:  # one engine: every report is its own
         return engine.score(token_ids)
 
-    transport = ProbedTransport(VllmAdapterTransport(engine), record, score, max_gap=max_gap, what="the adapter")
+    transport = ProbedTransport(VllmShmTransport(lambda: [engine], None), record, score, max_gap=max_gap, what="the adapter")
     return ProbedWeightSync(TorchWeightSync.through(trainer, transport, produce_bucket_mb=produce_bucket_mb), transport)
