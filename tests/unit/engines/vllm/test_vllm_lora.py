@@ -17,7 +17,8 @@ starts its trainer at the engine's version, so the tests do not depend on each o
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,7 @@ from tiny_lm import save_tiny_model
 
 from tandem.core.config import LoraConfig
 from tandem.engines.shared.lora import lora_settings
-from tandem.engines.shared.probe import ProbeRecord
+from tandem.engines.shared.probe import ProbedWeightSync, ProbeRecord
 from tandem.engines.trainers.torch_train import TorchTrainEngine
 from tandem.engines.vllm.engine import VllmRolloutEngine, VllmSettings
 from tandem.engines.vllm.sync import adapter_sync
@@ -102,86 +103,84 @@ class Acknowledging:
         return self.engine.score(token_ids)
 
 
+@asynccontextmanager
+async def synced_trainer(
+    engine: VllmRolloutEngine, model_dir: Path, settings: Any, target: Any = None
+) -> AsyncIterator[tuple[TorchTrainEngine, ProbedWeightSync]]:
+    """A LoRA trainer at ``engine``'s version and its probed adapter sync into ``target`` (``engine``
+    unless given), both closed on the way out."""
+    async with lora_trainer(model_dir, settings, engine) as trainer:
+        sync = adapter_sync(trainer, probe_of(trainer), target or engine, max_gap=1e-4, produce_bucket_mb=0.01)
+        try:
+            yield trainer, sync
+        finally:
+            sync.close()
+
+
 async def test_a_sync_moves_the_adapters_bytes_and_vllm_then_scores_like_the_trainer(
     lora_engine: VllmRolloutEngine, model_dir: Path, settings: Any
 ) -> None:
-    async with lora_trainer(model_dir, settings, lora_engine) as trainer:
-        sync = adapter_sync(trainer, probe_of(trainer), lora_engine, max_gap=1e-4, produce_bucket_mb=0.01)
-        try:
-            adapter_bytes = sum(t.numel() * t.element_size() for _, t in trainer.named_tensors_for_sync())
-            model_bytes = sum(t.numel() * t.element_size() for t in unique_weights(trainer.model.get_base_model()).values())
-            for _ in range(3):
-                await train_on(trainer, await sample(lora_engine, requests(12)))  # moves the adapter
-                report = await sync.sync(trainer.version)
-                assert report.version == lora_engine.version == trainer.version
-                assert report.metrics["bytes"] == adapter_bytes < model_bytes / 4
-                assert report.metrics["logprob_gap"] < 1e-4
-                samples = await sample(lora_engine, requests(12))
-                assert all(t.versions == [trainer.version] * 12 and t.resumed is None for t in samples)
-                for t, expected in zip(samples, await trainer.logprobs(samples), strict=True):
-                    assert max_gap(t.behaviour_logprobs, expected) < 1e-4, (t.prompt_id, t.index)
-        finally:
-            sync.close()
+    async with synced_trainer(lora_engine, model_dir, settings) as (trainer, sync):
+        adapter_bytes = sum(t.numel() * t.element_size() for _, t in trainer.named_tensors_for_sync())
+        model_bytes = sum(t.numel() * t.element_size() for t in unique_weights(trainer.model.get_base_model()).values())
+        for _ in range(3):
+            await train_on(trainer, await sample(lora_engine, requests(12)))  # moves the adapter
+            report = await sync.sync(trainer.version)
+            assert report.version == lora_engine.version == trainer.version
+            assert report.metrics["bytes"] == adapter_bytes < model_bytes / 4
+            assert report.metrics["logprob_gap"] < 1e-4
+            samples = await sample(lora_engine, requests(12))
+            assert all(t.versions == [trainer.version] * 12 and t.resumed is None for t in samples)
+            for t, expected in zip(samples, await trainer.logprobs(samples), strict=True):
+                assert max_gap(t.behaviour_logprobs, expected) < 1e-4, (t.prompt_id, t.index)
 
 
 async def test_a_request_in_flight_at_a_sync_finishes_under_its_adapter_and_unused_adapters_are_removed(
     lora_engine: VllmRolloutEngine, model_dir: Path, settings: Any
 ) -> None:
-    async with lora_trainer(model_dir, settings, lora_engine) as trainer:
-        sync = adapter_sync(trainer, probe_of(trainer), lora_engine, max_gap=1e-4, produce_bucket_mb=0.01)
-        try:
-            await train_on(trainer, await sample(lora_engine, requests(8)))
-            old = (await sync.sync(trainer.version)).version
-            at_old = await asyncio.to_thread(trainer.state_dict)
-            running = asyncio.ensure_future(sample(lora_engine, requests(400, per_prompt=32)))
-            await train_on(trainer, await sample(lora_engine, requests(8)))
-            assert not running.done()
-            new = (await sync.sync(trainer.version)).version
-            assert not running.done()  # the probe was scored in batches with them (vLLM's CPU LoRA logits bug)
-            fresh = await sample(lora_engine, requests(8))
-            kept = await asyncio.wait_for(running, timeout=300)
-            assert all(t.versions == [old] * 400 for t in kept) and all(t.versions == [new] * 8 for t in fresh)
-            async with lora_trainer(model_dir, settings, lora_engine) as old_policy:
-                await asyncio.to_thread(old_policy.load_state_dict, at_old)
-                for t, expected in zip(kept, await old_policy.logprobs(kept), strict=True):
-                    assert max_gap(t.behaviour_logprobs, expected) < 1e-4, (t.prompt_id, t.index)
-            await train_on(trainer, fresh)
-            await sync.sync(trainer.version)  # nothing uses the old adapter any more: it goes
-            assert lora_engine.adapters_held() == {trainer.version + 1, new + 1}  # vLLM's ids: version + 1
-        finally:
-            sync.close()
+    async with synced_trainer(lora_engine, model_dir, settings) as (trainer, sync):
+        await train_on(trainer, await sample(lora_engine, requests(8)))
+        old = (await sync.sync(trainer.version)).version
+        at_old = await asyncio.to_thread(trainer.state_dict)
+        running = asyncio.ensure_future(sample(lora_engine, requests(400, per_prompt=32)))
+        await train_on(trainer, await sample(lora_engine, requests(8)))
+        assert not running.done()
+        new = (await sync.sync(trainer.version)).version
+        assert not running.done()  # the probe was scored in batches with them (vLLM's CPU LoRA logits bug)
+        fresh = await sample(lora_engine, requests(8))
+        kept = await asyncio.wait_for(running, timeout=300)
+        assert all(t.versions == [old] * 400 for t in kept) and all(t.versions == [new] * 8 for t in fresh)
+        async with lora_trainer(model_dir, settings, lora_engine) as old_policy:
+            await asyncio.to_thread(old_policy.load_state_dict, at_old)
+            for t, expected in zip(kept, await old_policy.logprobs(kept), strict=True):
+                assert max_gap(t.behaviour_logprobs, expected) < 1e-4, (t.prompt_id, t.index)
+        await train_on(trainer, fresh)
+        await sync.sync(trainer.version)  # nothing uses the old adapter any more: it goes
+        assert lora_engine.adapters_held() == {trainer.version + 1, new + 1}  # vLLM's ids: version + 1
 
 
 async def test_the_probe_scores_the_current_adapter_exactly_while_other_requests_share_its_batches(
     lora_engine: VllmRolloutEngine, model_dir: Path, settings: Any
 ) -> None:
-    async with lora_trainer(model_dir, settings, lora_engine) as trainer:
-        sync = adapter_sync(trainer, probe_of(trainer), lora_engine, max_gap=1e-4, produce_bucket_mb=0.01)
-        try:
-            await train_on(trainer, await sample(lora_engine, requests(8)))
-            await sync.sync(trainer.version)
-            assert trainer.probe is not None
-            for _ in range(3):  # requests in prefill and in decode beside the probe's prompt
-                running = asyncio.ensure_future(sample(lora_engine, requests(40, per_prompt=6)))
-                served = await asyncio.to_thread(lora_engine.score, trainer.probe.inputs)
-                await running
-                assert max_gap(served, trainer.probe.expected(trainer.version)) < 1e-4
-        finally:
-            sync.close()
+    async with synced_trainer(lora_engine, model_dir, settings) as (trainer, sync):
+        await train_on(trainer, await sample(lora_engine, requests(8)))
+        await sync.sync(trainer.version)
+        assert trainer.probe is not None
+        for _ in range(3):  # requests in prefill and in decode beside the probe's prompt
+            running = asyncio.ensure_future(sample(lora_engine, requests(40, per_prompt=6)))
+            served = await asyncio.to_thread(lora_engine.score, trainer.probe.inputs)
+            await running
+            assert max_gap(served, trainer.probe.expected(trainer.version)) < 1e-4
 
 
 async def test_a_sync_acknowledged_but_not_applied_is_caught_by_the_probe_at_that_sync(
     lora_engine: VllmRolloutEngine, model_dir: Path, settings: Any
 ) -> None:
-    async with lora_trainer(model_dir, settings, lora_engine) as trainer:
-        dropping = Acknowledging(lora_engine, drop_from=lora_engine.version + 2)
-        sync = adapter_sync(trainer, probe_of(trainer), dropping, max_gap=1e-4, produce_bucket_mb=0.01)  # type: ignore[arg-type]
-        try:
-            await train_on(trainer, await sample(lora_engine, requests(8)))
-            assert (await sync.sync(trainer.version)).metrics["logprob_gap"] < 1e-4
-            await train_on(trainer, await sample(lora_engine, requests(8)))
-            not_landed = rf"version {trainer.version} .* nats \(bound 0.0001\): the adapter did not land"
-            with pytest.raises(TransferError, match=not_landed):
-                await sync.sync(trainer.version)
-        finally:
-            sync.close()
+    dropping = Acknowledging(lora_engine, drop_from=lora_engine.version + 2)
+    async with synced_trainer(lora_engine, model_dir, settings, dropping) as (trainer, sync):
+        await train_on(trainer, await sample(lora_engine, requests(8)))
+        assert (await sync.sync(trainer.version)).metrics["logprob_gap"] < 1e-4
+        await train_on(trainer, await sample(lora_engine, requests(8)))
+        not_landed = rf"version {trainer.version} .* nats \(bound 0.0001\): the adapter did not land"
+        with pytest.raises(TransferError, match=not_landed):
+            await sync.sync(trainer.version)
