@@ -5,7 +5,10 @@ from __future__ import annotations
 import asyncio
 import copy
 import importlib.util
+import json
 import logging
+import subprocess
+import sys
 import time
 import tomllib
 from collections.abc import Coroutine
@@ -144,6 +147,16 @@ def ray_cluster() -> Any:
 
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def run_benchmark(script: str, *args: str, out: Path, timeout_s: float) -> Any:
+    """Run ``benchmarks/<script>`` as a user would (this interpreter, from the repository root),
+    writing its results to ``out``; the JSON it wrote. A failed run fails the test with the end
+    of its stderr."""
+    command = [sys.executable, str(REPO / "benchmarks" / script), *args, "--out", str(out)]
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=timeout_s)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(out.read_text())
 
 
 def package_dirs() -> dict[str, str]:

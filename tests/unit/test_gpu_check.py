@@ -6,23 +6,17 @@ machines in between: the tiny mode runs the same code at toy shapes for a few st
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.conftest import run_benchmark
 
 
 @pytest.mark.slow
 def test_tiny_mode_runs_every_part_and_reports_its_figures(tmp_path: Path) -> None:
     out = tmp_path / "gpu_check.json"
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--tiny", "--out", str(out)]
-    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=280)
-    assert result.returncode == 0, result.stderr[-3000:]
-    doc = json.loads(out.read_text())
+    doc = run_benchmark("gpu_check.py", "--tiny", out=out, timeout_s=280)
     assert doc["tiny"] and doc["device"] == "cpu" and doc["versions"]["torch"]
     assert set(doc["parts"]) == {"text", "images", "trainer_groups"}
     failed = {name: part.get("traceback") for name, part in doc["parts"].items() if part["status"] != "ok"}

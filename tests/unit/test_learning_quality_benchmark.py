@@ -3,12 +3,13 @@ one-step smoke of the rows they read (two seeds, so intervals exist) and the Mar
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import run_benchmark
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -18,10 +19,9 @@ def test_smoke_pairs_rows_with_the_baseline_and_answers_the_headlines(tmp_path: 
     out = tmp_path / "lq.json"
     script = ROOT / "benchmarks" / "learning_quality.py"
     rows = ["naive_m4_k4", "decoupled_m4_k4", "distill", "grpo"]
-    cmd = [sys.executable, str(script), "--steps", "1", "--seeds", "0", "1", "--heldout", "4", "--out", str(out), "--rows", *rows]
-    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
-    assert result.returncode == 0, result.stderr[-3000:]
-    doc = json.loads(out.read_text())
+    doc = run_benchmark(
+        "learning_quality.py", "--steps", "1", "--seeds", "0", "1", "--heldout", "4", "--rows", *rows, out=out, timeout_s=240
+    )
     by_name = {r["row"]: r for r in doc["rows"]}
     assert list(by_name) == ["decoupled_k0", *rows]  # the baseline always runs, first
     assert all(r["samples_trained"] == doc["settings"]["samples"] == 64 for r in doc["rows"])  # equal samples

@@ -4,25 +4,19 @@ LoRA sync and found it landed; only the adapter trains; both learning jobs compa
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-pytest.importorskip("peft", reason="LoRA needs the lora extra (peft)")
+from tests.conftest import run_benchmark
 
-ROOT = Path(__file__).resolve().parents[2]
+pytest.importorskip("peft", reason="LoRA needs the lora extra (peft)")
 
 
 @pytest.mark.slow
 def test_tiny_run_syncs_the_adapter_alone_and_produces_every_row(tmp_path: Path) -> None:
     out = tmp_path / "lora.json"
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "lora.py"), "--tiny", "--out", str(out)]
-    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
-    assert result.returncode == 0, result.stderr[-3000:]
-    doc = json.loads(out.read_text())
+    doc = run_benchmark("lora.py", "--tiny", out=out, timeout_s=240)
     assert doc["parts"] == ["sync", "train", "learning"]
 
     models = doc["sync"]["models"]

@@ -2,23 +2,16 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.conftest import run_benchmark
 
 
 @pytest.mark.slow
 def test_tiny_run_measures_both_engines(tmp_path: Path) -> None:
     out = tmp_path / "r.json"
-    script = ROOT / "benchmarks" / "rollout_engines.py"
-    cmd = [sys.executable, str(script), "--tiny", "--out", str(out), "--engines", "embedded", "generate"]
-    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
-    assert result.returncode == 0, result.stderr[-3000:]
-    rows = json.loads(out.read_text())["rows"]
+    rows = run_benchmark("rollout_engines.py", "--tiny", "--engines", "embedded", "generate", out=out, timeout_s=240)["rows"]
     assert {(r["model"], r["engine"]) for r in rows} == {("1m", "embedded"), ("1m", "generate")}
     assert all(r["tokens_per_s_median"] > 0 and len(r["runs"]) == 1 for r in rows)
