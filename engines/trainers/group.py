@@ -47,8 +47,11 @@ Invariants:
   ranks reported, and a failure before it, at a train step's first optimizer step, leaves the
   group usable (a failure after it leaves the weights between versions: the group is broken);
 - a rank that dies fails the call in progress with ``TrainRankError`` naming it (a death is
-  blamed before the collective errors it causes on other ranks), and the group is broken from
-  then on: the dead rank's shard of the optimizer state is gone, so a run goes on only from a
+  blamed before the collective errors it causes on other ranks), and so does a rank of a local
+  group still silent ``ANSWER_AFTER_FAILURE_S`` after another rank's failure (a live rank
+  reaches its next collective and fails there within ``RANK_TIMEOUT``; one that does not is
+  hung, and the error quotes where: each rank writes its threads' stacks on ``SIGUSR1``); the
+  group is broken from then on: the dead rank's shard of the optimizer state is gone, so a run goes on only from a
   checkpoint, with any number of ranks (checkpoints hold full, unsharded tensors);
 - the driver talks to the ranks from one worker thread, so steps, scoring, gathers and
   checkpoints never interleave and the flow's event loop only awaits; a probe record of a
@@ -59,13 +62,16 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import math
 import multiprocessing as mp
+import os
 import pickle
 import signal
 import socket
 import tempfile
 import threading
+import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -118,6 +124,10 @@ __all__ = [
 _T = TypeVar("_T")
 # Bounds a rank's collectives when another rank hangs without dying (a dead rank is seen at once).
 RANK_TIMEOUT = timedelta(seconds=120)
+# How long the driver waits for the other ranks once one has replied Failed: a live rank gets to
+# its next collective, finds the failed rank absent and fails within RANK_TIMEOUT; twice that
+# leaves it the time to reach the collective. A rank silent past it is hung.
+ANSWER_AFTER_FAILURE_S = 2 * RANK_TIMEOUT.total_seconds()
 # The rank engines by the config's name for them ("module:Class", imported in the rank only).
 RANK_ENGINES = {
     "ddp": "tandem.engines.trainers.ddp:DDPRank",
@@ -128,6 +138,7 @@ RANK_ENGINES = {
 # collective, be) before killing it.
 _EXIT_TIMEOUT_S = 10.0
 _BROKEN_EXIT_TIMEOUT_S = 1.0
+_STACKS_TIMEOUT_S = 5.0  # how long a rank may take to write its stacks on SIGUSR1
 _ALIGN = 64  # byte alignment of each tensor in the staging buffer
 # How long Ray rank actors may take to be placed, load the model and join the group.
 _RAY_START_TIMEOUT_S = 600.0
@@ -599,10 +610,15 @@ def start_rank(
     return server, Ready(server.engine.version, server.engine.state_file)
 
 
-def _serve_process(spec: RankSpec, rank: int, world_size: int, init_method: str, conn: Connection) -> None:
-    """A rank process: build the engine, report, serve the driver until end-of-file."""
+def _serve_process(
+    spec: RankSpec, rank: int, world_size: int, init_method: str, conn: Connection, stacks: str
+) -> None:
+    """A rank process: build the engine, report, serve the driver until end-of-file. ``SIGUSR1``
+    writes every thread's stack to the file ``stacks`` (where a rank that does not answer is)."""
     # Ctrl-C reaches the whole process group; the driver decides when ranks stop (end-of-file).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    stack_file = open(stacks, "w")  # open for the process's life: the handler writes to its descriptor
+    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
     server, reply = start_rank(spec, rank=rank, world_size=world_size, init_method=init_method, local=True)
     conn.send(reply)
     if server is None:
@@ -672,7 +688,7 @@ class LocalRanks:
             ours, theirs = context.Pipe()
             process = context.Process(
                 target=_serve_process,
-                args=(spec, rank, world_size, init_method, theirs),
+                args=(spec, rank, world_size, init_method, theirs, str(self._stacks_file(rank))),
                 name=f"tandem-train-rank{rank}",
                 daemon=True,
             )
@@ -702,17 +718,24 @@ class LocalRanks:
 
     def _collect(self) -> list[object]:
         replies: dict[int, object] = {}
+        failed: tuple[int, float] | None = None  # the first rank that replied Failed, and when
         while len(replies) < len(self._ranks):
             # Only ranks still owing a reply can die mid-exchange: one that replied is done with
             # this phase (a death after that shows at the next exchange).
             pending = [r for r in self._ranks if r.rank not in replies]
-            ready = wait([r.conn for r in pending] + [r.process.sentinel for r in pending])
+            timeout = None if failed is None else max(0.0, failed[1] + ANSWER_AFTER_FAILURE_S - time.monotonic())
+            ready = wait([r.conn for r in pending] + [r.process.sentinel for r in pending], timeout)
+            if not ready:
+                assert failed is not None
+                raise self._silent(pending[0], failed[0], replies[failed[0]])
             for r in pending:
                 if r.conn in ready:  # a reply sent just before dying counts
                     try:
                         replies[r.rank] = r.conn.recv()
                     except EOFError:
                         raise self._died(r) from None
+                    if failed is None and isinstance(replies[r.rank], Failed):
+                        failed = (r.rank, time.monotonic())
                 elif r.process.sentinel in ready:
                     raise self._died(r)
         return [replies[r.rank] for r in self._ranks]
@@ -720,6 +743,38 @@ class LocalRanks:
     def _died(self, r: _Process) -> TrainRankError:
         r.process.join(_EXIT_TIMEOUT_S)
         return TrainRankError(r.rank, f"died (exit code {r.process.exitcode})")
+
+    def _silent(self, r: _Process, failed_rank: int, failure: object) -> TrainRankError:
+        assert isinstance(failure, Failed)
+        return TrainRankError(
+            r.rank,
+            f"did not answer within {ANSWER_AFTER_FAILURE_S:g} s of rank {failed_rank}'s failure: it is hung. Where it "
+            f"is:\n{self.stacks(r.rank)}\nRank {failed_rank} failed with:\n{failure.traceback}",
+        )
+
+    def stacks(self, rank: int) -> str:
+        """Where rank ``rank``'s threads are now (their stacks, which it writes on ``SIGUSR1``)."""
+        r = self._ranks[rank]
+        if not r.process.is_alive():
+            return f"(rank {rank} has exited)"
+        path = self._stacks_file(rank)
+        if not path.is_file():
+            return f"(rank {rank} has not set up its stack dump yet: it is starting)"
+        start = path.stat().st_size
+        os.kill(r.process.pid, signal.SIGUSR1)
+        # The rank's signal handler appends to the file: read once it has stopped growing.
+        deadline, size = time.monotonic() + _STACKS_TIMEOUT_S, start
+        while time.monotonic() < deadline:
+            time.sleep(0.1)
+            grown, size = size, path.stat().st_size
+            if size > start and size == grown:
+                break
+        with path.open() as f:
+            f.seek(start)
+            return f.read() or f"(rank {rank} wrote no stacks within {_STACKS_TIMEOUT_S:g} s)"
+
+    def _stacks_file(self, rank: int) -> Path:
+        return Path(self._folder.name) / f"rank{rank}.stacks"
 
     def close(self, *, broken: bool) -> None:
         """End-of-file to every rank, then a kill after a grace period (short when ``broken``:
@@ -898,6 +953,13 @@ class TrainerGroup(ClosesOnAThread):
         """(name, full tensor) per weight, gathered from the ranks now."""
         with self.weights_for_sync() as (_, tensors):
             yield from tensors.items()
+
+    def rank_stacks(self) -> dict[int, str]:
+        """Where each rank's threads are now, by rank (local ranks write their stacks on
+        ``SIGUSR1``): the first question about a run that stopped moving. Any thread may ask."""
+        if not isinstance(self._ranks, LocalRanks):
+            raise NotImplementedError("Ray rank actors: ask Ray (`ray stack`) where they are")
+        return {rank: self._ranks.stacks(rank) for rank in range(self.size)}
 
     def close(self) -> None:
         """Finish queued work, then stop every rank; idempotent."""

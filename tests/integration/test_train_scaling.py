@@ -8,8 +8,12 @@ export), not that reward rises (``test_torch_flow.py`` shows that for the same e
 from __future__ import annotations
 
 import asyncio
+import gc
 import multiprocessing
-from collections.abc import Sequence
+import sys
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +58,49 @@ def rank_processes(besides: Sequence[multiprocessing.process.BaseProcess] = ()) 
     return [p for p in multiprocessing.active_children() if p.name.startswith("tandem-train-rank") and p not in besides]
 
 
+@contextmanager
+def reports_a_hang(group: TrainerGroup, after_s: float) -> Iterator[None]:
+    """If the block still runs after ``after_s``, write where everything is to stderr (pytest shows
+    it with the failure): the flow's pending tasks, this process's threads, every rank's stacks.
+    A run of the killed-rank test once hung in CI, and its thread dump was cut before the group's
+    worker thread: this says, in a few lines each, what waits on what."""
+
+    def innermost(frames: Sequence[Any]) -> str:
+        return " < ".join(f"{f.f_code.co_name}:{f.f_lineno}" for f in frames)
+
+    def awaiting(task: asyncio.Task[Any]) -> list[Any]:
+        """The task's chain of awaited coroutines' frames, innermost first."""
+        chain, coro = [], task.get_coro()
+        while coro is not None and getattr(coro, "cr_frame", None) is not None:
+            chain.append(coro.cr_frame)
+            coro = coro.cr_await
+        return chain[::-1][:5]
+
+    def report() -> None:
+        lines = [f"=== still running after {after_s:g} s; pending tasks (innermost frame first):"]
+        tasks = [o for o in gc.get_objects() if isinstance(o, asyncio.Task) and not o.done()]
+        lines += [f"{task.get_name()}: {innermost(awaiting(task))}" for task in tasks]
+        lines.append("=== threads:")
+        names = {thread.ident: thread.name for thread in threading.enumerate()}
+        for ident, frame in sys._current_frames().items():
+            stack: list[Any] = []
+            while frame is not None and len(stack) < 4:
+                stack.append(frame)
+                frame = frame.f_back
+            lines.append(f"{names.get(ident, ident)}: {innermost(stack)}")
+        for rank, stacks in group.rank_stacks().items():
+            lines.append(f"=== rank {rank}:\n{stacks}")
+        print("\n".join(lines), file=sys.stderr, flush=True)
+
+    timer = threading.Timer(after_s, report)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+
+
 def test_a_killed_fsdp2_rank_stops_the_run_naming_it_and_one_rank_resumes_from_its_checkpoint(tmp_path: Path) -> None:
     others = rank_processes()
     cfg = short_job(tmp_path, "run.name=fsdp2", "run.max_steps=4", "run.save_steps=1", "engines.data_parallel=fsdp2",
@@ -73,7 +120,7 @@ def test_a_killed_fsdp2_rank_stops_the_run_naming_it_and_one_rank_resumes_from_i
 
     components.trainer.train_step = train_step
     try:
-        with pytest.raises(Exception, match="train rank 1 died"):
+        with pytest.raises(Exception, match="train rank 1 died"), reports_a_hang(components.trainer, after_s=300):
             run(cfg, components)
     finally:
         components.close()

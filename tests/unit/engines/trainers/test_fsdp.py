@@ -30,7 +30,8 @@ from tandem.algorithms.objective import LossMeanOver
 from tandem.core.config import AlgorithmConfig
 from tandem.core.protocols import TrainEngine
 from tandem.core.records import Trajectory
-from tandem.engines.trainers.group import RankSpec, TrainerGroup, TrainRankError
+from tandem.engines.trainers import group as group_module
+from tandem.engines.trainers.group import Gather, LocalRanks, RankSpec, Ready, TrainerGroup, TrainRankError
 from tandem.engines.trainers.torch_train import TorchTrainEngine
 from tandem.param_sync import unique_weights
 
@@ -218,6 +219,27 @@ async def test_a_loss_failing_on_one_rank_fails_the_step_by_name_and_the_group_c
     await one.train_step(make_batch(1), pg_loss)
     await two.train_step(make_batch(1), pg_loss)
     assert max_weight_diff(one, two) < 1e-9
+
+
+def test_a_rank_still_silent_after_another_failed_is_named_hung_with_where_it_is(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 0 fails at once; rank 1 waits for it in the gather's collective (until gloo's timeout,
+    minutes away). The driver does not wait that long: past the grace it names rank 1 as hung,
+    quoting its stacks (written on SIGUSR1) and rank 0's failure."""
+    monkeypatch.setattr(group_module, "ANSWER_AFTER_FAILURE_S", 2.0)
+    others = group_processes()
+    ranks = LocalRanks(spec(model_dir), 2)
+    try:
+        assert all(isinstance(reply, Ready) for reply in ranks.started())
+        with pytest.raises(TrainRankError, match="train rank 1 did not answer within 2 s of rank 0's failure") as info:
+            ranks.exchange(["not a message", Gather()])
+        assert info.value.rank == 1
+        assert " in _gather" in str(info.value)  # rank 1's stack: faulthandler's 'File "...", line N in _gather'
+        assert "unexpected message 'not a message'" in str(info.value)  # rank 0's traceback
+    finally:
+        ranks.close(broken=True)
+    assert group_processes(besides=others) == []
 
 
 # ---------------------------------------------------------------- a tied model: weights out of the group
