@@ -152,18 +152,20 @@ class VllmSettings:
 
 @contextlib.contextmanager
 def vllm_environment(env: dict[str, str]) -> Iterator[None]:
-    """``os.environ`` with ``env`` set while vLLM spawns its processes, restored after."""
+    """``os.environ`` with ``env`` set while vLLM spawns its processes, then restored whole.
+
+    Whole, because vLLM's CPU platform writes settings of its own there as it builds its config
+    (``LD_PRELOAD`` of torch's libgomp, ``VLLM_WORKER_MULTIPROC_METHOD``, ``LOCAL_WORLD_SIZE``,
+    inductor thread counts): every process this one starts later (trainer ranks, reward workers,
+    servers) would inherit them."""
     with _ENV_LOCK:
-        saved = {key: os.environ.get(key) for key in env}
+        saved = dict(os.environ)
         os.environ.update(env)
         try:
             yield
         finally:
-            for key, value in saved.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
+            os.environ.clear()
+            os.environ.update(saved)
 
 # What a weight update does with requests in flight (vLLM's pause modes that lose no tokens).
 InFlight = Literal["keep", "wait"]

@@ -8,6 +8,7 @@ of its own at a version above the engine's, so tests do not depend on each other
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -199,8 +200,12 @@ def test_a_model_vllm_cannot_run_fails_the_start_and_leaves_no_process(tmp_path:
 
     unsupported = save_tiny_model(tmp_path, seed=0, eos=False, heads=4)  # heads of 16 dimensions
     before = {p.pid for p in psutil.Process().children(recursive=True)}
+    environment = dict(os.environ)
     with pytest.raises(RuntimeError, match=f"vLLM cannot run {unsupported}"):
         VllmRolloutEngine(unsupported, enforce_eager=True)
+    # vLLM wrote its own settings (LD_PRELOAD among them) into os.environ as it built its config:
+    # the start restores the environment whole, so later child processes do not inherit them.
+    assert dict(os.environ) == environment
     left = [p for p in psutil.Process().children(recursive=True) if p.pid not in before and p.is_running()
             and p.status() != psutil.STATUS_ZOMBIE]
     assert not left, [p.cmdline() for p in left]
