@@ -1,6 +1,7 @@
 """The vLLM side of weight sync: a worker extension that loads the trainer's buffer half in place.
 
-What it owns: inside each vLLM worker process, a :class:`~param_sync.Receiver` over a
+What it owns: inside each vLLM worker (the model's runner, in the engine core's process: see
+``VllmSettings``), a :class:`~param_sync.Receiver` over a
 :class:`VllmModelTarget`, so a transfer into vLLM is checked exactly as one into the embedded
 engine (versions, bucket order, every bucket's checksum) before a byte reaches the model, and
 the shared-memory segment it maps for the length of one transfer. With LoRA (the engine started
