@@ -136,14 +136,25 @@ def one_torch_thread() -> None:
         torch.set_num_threads(1)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture
 def ray_cluster() -> Any:
-    """One local Ray cluster (2 CPUs) for the whole session, started on first use; the Ray
-    backend joins it instead of starting its own."""
+    """A local Ray cluster (2 CPUs), started by the first test that asks for it and kept for the
+    next ones; the Ray backend joins it instead of starting its own. It stops as soon as the next
+    test needs none (:func:`pytest_runtest_teardown`): idle, its processes still took 5 % of a
+    core, and `make test`'s worker ran for another ten minutes after the last Ray test."""
     ray = pytest.importorskip("ray")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield ray
-    ray.shutdown()
+    if not ray.is_initialized():
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    return ray
+
+
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    if "ray_cluster" in getattr(item, "fixturenames", ()) and (
+        nextitem is None or "ray_cluster" not in getattr(nextitem, "fixturenames", ())
+    ):
+        import ray
+
+        ray.shutdown()
 
 
 REPO = Path(__file__).resolve().parents[1]
