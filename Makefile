@@ -26,8 +26,9 @@ run: $(STAMP)
 	$(VENV)/bin/tandem run $(CONFIG)
 
 # Two workers, as CI has two cores (tests that share a session's vLLM engine or Ray cluster, or one
-# page's documentation examples, keep to one worker: tests/conftest.py).
-XDIST := -n 2 --dist loadgroup
+# page's documentation examples, keep to one worker), handed the groups in the order
+# tests/conftest.py puts them: heavy ones first.
+XDIST := -n 2 --dist loadgroup --no-loadscope-reorder
 
 test: $(STAMP)
 	$(PY) -m pytest -q $(XDIST) --durations=15

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 import tomllib
+from collections import Counter
 from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
@@ -113,12 +114,27 @@ def pytest_configure(config: pytest.Config) -> None:
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test gets its xdist group, and the groups with the most slow tests come first.
+
+    xdist hands the groups out in collection order (`make test` passes `--no-loadscope-reorder`;
+    by default it puts the groups with the most tests first, which left the one-test benchmark
+    smoke runs, 35-45 s each, for the end, when one worker went on alone for 70-80 s after the
+    other had finished). Heavy groups first (the vLLM and Ray groups, minutes each, have the
+    most slow tests), the many quick tests fill the end."""
     for item in items:
         for fixture, group in SHARED_INSTANCE_GROUPS.items():
             if fixture in getattr(item, "fixturenames", ()):
                 item.add_marker(pytest.mark.xdist_group(group))
         if item.get_closest_marker("xdist_group") is None:
             item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
+    slow = Counter(_group(item) for item in items if item.get_closest_marker("slow") is not None)
+    items.sort(key=lambda item: -slow[_group(item)])  # stable: each group keeps its order
+
+
+def _group(item: pytest.Item) -> str:
+    marker = item.get_closest_marker("xdist_group")
+    assert marker is not None
+    return str(marker.args[0] if marker.args else marker.kwargs["name"])
 
 
 @pytest.fixture(scope="session", autouse=True)
