@@ -761,7 +761,12 @@ class LocalRanks:
         if not path.is_file():
             return f"(rank {rank} has not set up its stack dump yet: it is starting)"
         start = path.stat().st_size
-        os.kill(r.process.pid, signal.SIGUSR1)
+        pid = r.process.pid
+        assert pid is not None  # started
+        try:
+            os.kill(pid, signal.SIGUSR1)
+        except ProcessLookupError:  # it exited since is_alive()
+            return f"(rank {rank} has exited)"
         # The rank's signal handler appends to the file: read once it has stopped growing.
         deadline, size = time.monotonic() + _STACKS_TIMEOUT_S, start
         while time.monotonic() < deadline:
