@@ -164,6 +164,7 @@ def ray_cluster() -> Any:
     return ray
 
 
+@pytest.hookimpl(trylast=True)  # after the test's own fixtures are torn down: they may still use Ray
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
     if "ray_cluster" in getattr(item, "fixturenames", ()) and (
         nextitem is None or "ray_cluster" not in getattr(nextitem, "fixturenames", ())

@@ -51,8 +51,9 @@ Invariants:
   group still silent ``ANSWER_AFTER_FAILURE_S`` after another rank's failure (a live rank
   reaches its next collective and fails there within ``RANK_TIMEOUT``; one that does not is
   hung, and the error quotes where: each rank writes its threads' stacks on ``SIGUSR1``); the
-  group is broken from then on: the dead rank's shard of the optimizer state is gone, so a run goes on only from a
-  checkpoint, with any number of ranks (checkpoints hold full, unsharded tensors);
+  group is broken from then on: the dead rank's shard of the optimizer state is gone, so a run
+  goes on only from a checkpoint, with any number of ranks (checkpoints hold full, unsharded
+  tensors);
 - the driver talks to the ranks from one worker thread, so steps, scoring, gathers and
   checkpoints never interleave and the flow's event loop only awaits; a probe record of a
   version is written on that thread in the job that made the version (a train step, a restore),
@@ -718,24 +719,25 @@ class LocalRanks:
 
     def _collect(self) -> list[object]:
         replies: dict[int, object] = {}
-        failed: tuple[int, float] | None = None  # the first rank that replied Failed, and when
+        failure: tuple[int, Failed] | None = None  # the first rank that replied Failed, and its reply
+        deadline = math.inf  # for the others' replies, once a rank has failed
         while len(replies) < len(self._ranks):
             # Only ranks still owing a reply can die mid-exchange: one that replied is done with
             # this phase (a death after that shows at the next exchange).
             pending = [r for r in self._ranks if r.rank not in replies]
-            timeout = None if failed is None else max(0.0, failed[1] + ANSWER_AFTER_FAILURE_S - time.monotonic())
+            timeout = None if failure is None else max(0.0, deadline - time.monotonic())
             ready = wait([r.conn for r in pending] + [r.process.sentinel for r in pending], timeout)
             if not ready:
-                assert failed is not None
-                raise self._silent(pending[0], failed[0], replies[failed[0]])
+                assert failure is not None
+                raise self._silent(pending[0], *failure)
             for r in pending:
                 if r.conn in ready:  # a reply sent just before dying counts
                     try:
-                        replies[r.rank] = r.conn.recv()
+                        reply = replies[r.rank] = r.conn.recv()
                     except EOFError:
                         raise self._died(r) from None
-                    if failed is None and isinstance(replies[r.rank], Failed):
-                        failed = (r.rank, time.monotonic())
+                    if failure is None and isinstance(reply, Failed):
+                        failure, deadline = (r.rank, reply), time.monotonic() + ANSWER_AFTER_FAILURE_S
                 elif r.process.sentinel in ready:
                     raise self._died(r)
         return [replies[r.rank] for r in self._ranks]
@@ -744,8 +746,7 @@ class LocalRanks:
         r.process.join(_EXIT_TIMEOUT_S)
         return TrainRankError(r.rank, f"died (exit code {r.process.exitcode})")
 
-    def _silent(self, r: _Process, failed_rank: int, failure: object) -> TrainRankError:
-        assert isinstance(failure, Failed)
+    def _silent(self, r: _Process, failed_rank: int, failure: Failed) -> TrainRankError:
         return TrainRankError(
             r.rank,
             f"did not answer within {ANSWER_AFTER_FAILURE_S:g} s of rank {failed_rank}'s failure: it is hung. Where it "
