@@ -125,13 +125,21 @@ class RolloutWorkflow(Protocol):
 
 @dataclass(slots=True, frozen=True)
 class GenerationRequest:
-    """One token sequence to sample: sample ``index`` of prompt group ``prompt_id``."""
+    """One token sequence to sample: sample ``index`` of prompt group ``prompt_id``.
+
+    ``continued``: the caller's next request for the same ``prompt_id`` and ``index`` extends
+    this one's prompt and response (the next turn of an episode), so an engine may keep the
+    sequence's KV cache for it instead of encoding the whole transcript again. A hint: an engine
+    that caches prefixes anyway (vLLM) or cannot keep one ignores it, and the tokens sampled do
+    not depend on it beyond float rounding.
+    """
 
     prompt_id: int
     index: int
     prompt_ids: list[int]
     params: SamplingParams
     seed: int = 0
+    continued: bool = False
 
 
 @runtime_checkable

@@ -33,9 +33,10 @@ Invariants:
   that returns another's is a bug and fails the call);
 - model tokens carry the version the rollout engine stamped on each; any other token carries
   the version of the token before it, so versions never decrease along a trajectory and are
-  exact across weight updates mid-episode. Each ``generate`` re-encodes its whole context (the
-  engine keeps no cache between calls), so a turn that starts after an update is sampled wholly
-  under the new weights; within a turn the engine's ``resume_policy`` applies and
+  exact across weight updates mid-episode. A turn that starts after an update is sampled wholly
+  under the new weights: each ``generate`` sends the whole context, marked ``continued``, and an
+  engine that keeps an episode's cache between turns (the embedded one) keeps only what the
+  weights serving now built. Within a turn the engine's ``resume_policy`` applies and
   ``Trajectory.resumed`` records it;
 - the ``i``-th ``generate`` call of an episode samples with the seed ``turn_seed(request.seed, i)``:
   an episode's tokens are a function of its request alone, not of the schedule or of the other
@@ -252,7 +253,8 @@ class EpisodeEngine:
         params = dataclasses.replace(self.sampling, **{k: v for k, v in changes.items() if v is not None})
         seed = turn_seed(self.request.seed, self._calls)
         self._calls += 1
-        request = GenerationRequest(self.request.prompt_id, self.request.index, list(prompt_ids), params, seed)
+        request = GenerationRequest(self.request.prompt_id, self.request.index, list(prompt_ids), params, seed,
+                                    continued=True)
         stream = self._engine.generate([request])
         try:
             [sampled] = [t async for t in stream]

@@ -12,8 +12,19 @@ batch, left-padded to the batch length with an attention mask and explicit ``pos
 padding columns every row has outgrown are trimmed. So no compute is spent on finished rows,
 and the only padding is the left gap between rows of different lengths.
 
+Kept caches (multi-turn episodes): a request marked ``continued`` will be followed by one that
+extends its prompt and response (the episode's next turn, after the environment answered). When
+such a row finishes, its cache is kept under ``(prompt_id, index)``; the next request of that
+sequence whose prompt starts with the kept tokens joins by encoding only the new tokens (the last
+turn's final token and the observation) on top of it, instead of the whole transcript again.
+
 Invariants:
 - each row's cache holds exactly ``prompt + response[:-1]``; its newest token is fed next step;
+- every kept cache was built by the weights serving now: all are dropped when a new version
+  commits (and a row that kept its cache across an update under ``KEEP_CACHE`` is not kept), so
+  a turn that starts after an update is encoded wholly under the new weights, as without them.
+  A kept cache is used once, and at most ``max_batch_size`` are held (the oldest go first): they
+  never outweigh the running batch's own cache;
 - ``len(response_ids) == len(behaviour_logprobs) == len(token_versions)``, and every token is
   stamped with the version of the weights whose logits it was sampled from;
 - weights change only between decode steps, all tensors at once or none: they arrive through
@@ -40,6 +51,7 @@ Invariants:
 from __future__ import annotations
 
 import inspect
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -92,6 +104,15 @@ class _Batch:
     rows: list[DecodeRow]
     cache: DynamicCache
     mask: torch.Tensor
+
+
+@dataclass(slots=True)
+class _KeptCache:
+    """A finished row's cache, kept for its sequence's next request: the tokens it holds and one
+    (keys, values) pair per layer, each [1, heads, len(ids), head_dim]."""
+
+    ids: list[int]
+    kv: list[tuple[torch.Tensor, torch.Tensor]]
 
 
 def _request_generator(request: GenerationRequest) -> torch.Generator:
@@ -212,6 +233,7 @@ class HFRolloutEngine(ContinuousBatcher[GenerationRequest, DecodeRow, "_Batch | 
         weights = None if lora is None else adapter_tensors(self._model)
         self.target = ModuleTarget(self._model, load_mode=load_mode, version=start_version, weights=weights)
         self._serving = start_version  # decode thread only: the version its last step decoded with
+        self._kept: OrderedDict[tuple[int, int], _KeptCache] = OrderedDict()  # decode thread only
         self._start("hf-rollout")
 
     # ----------------------------------------------------------------------------- public API
@@ -250,6 +272,7 @@ class HFRolloutEngine(ContinuousBatcher[GenerationRequest, DecodeRow, "_Batch | 
     def _advance(self, batch: _Batch | None, joining: list[DecodeRow]) -> _Batch | None:
         if self.target.loaded_version != self._serving:  # an update committed since the last step
             self._serving = self.target.loaded_version
+            self._kept.clear()  # built by the old weights
             batch = self._resume_in_flight(batch)
         if batch is not None:
             batch = _select(batch, [i for i, row in enumerate(batch.rows) if not row.cancelled])
@@ -289,12 +312,41 @@ class HFRolloutEngine(ContinuousBatcher[GenerationRequest, DecodeRow, "_Batch | 
             out.append((_Batch([rows[i] for i in idx], cache, mask), logits[:, -1]))
         return out
 
+    def _extend(self, continued: list[tuple[DecodeRow, _KeptCache]]) -> list[tuple[_Batch, torch.Tensor]]:
+        """Encode only what each row's prompt adds to its kept cache; rows with equal kept and
+        prompt lengths share one padding-free forward. Returns (batch, last-position logits) pairs."""
+        groups: dict[tuple[int, int], list[tuple[DecodeRow, _KeptCache]]] = {}
+        for row, kept in continued:
+            groups.setdefault((len(kept.ids), len(row.request.prompt_ids)), []).append((row, kept))
+        out = []
+        for (cached, total), members in groups.items():
+            kv = [
+                (torch.cat([k for k, _ in layer]), torch.cat([v for _, v in layer]))
+                for layer in zip(*(kept.kv for _, kept in members), strict=True)
+            ]
+            cache = DynamicCache(ddp_cache_data=kv)
+            ids = torch.tensor([row.request.prompt_ids[cached:] for row, _ in members], device=self._device)
+            logits = self._model(input_ids=ids, **{self._cache_arg: cache}, use_cache=True, logits_to_keep=1).logits
+            mask = torch.ones((len(members), total), dtype=torch.long, device=self._device)
+            out.append((_Batch([row for row, _ in members], cache, mask), logits[:, -1]))
+        return out
+
     def _admit(self, batch: _Batch | None, joining: list[DecodeRow]) -> _Batch | None:
         blocks = [] if batch is None else [batch]
-        for block, logits in self._prefill(joining, [s.request.prompt_ids for s in joining]):
-            kept = _select(block, self._append_tokens(block.rows, logits))
-            if kept is not None:
-                blocks.append(kept)
+        fresh: list[DecodeRow] = []
+        continued: list[tuple[DecodeRow, _KeptCache]] = []
+        for row in joining:
+            kept = self._kept.pop((row.request.prompt_id, row.request.index), None)
+            prompt = row.request.prompt_ids
+            if kept is not None and len(prompt) > len(kept.ids) and prompt[: len(kept.ids)] == kept.ids:
+                continued.append((row, kept))
+            else:
+                fresh.append(row)
+        prefilled = self._prefill(fresh, [s.request.prompt_ids for s in fresh]) + self._extend(continued)
+        for block, logits in prefilled:
+            running = _select(block, self._append_tokens(block, logits))
+            if running is not None:
+                blocks.append(running)
         return _merge(blocks) if blocks else None
 
     def _decode_step(self, batch: _Batch) -> _Batch | None:
@@ -312,10 +364,12 @@ class HFRolloutEngine(ContinuousBatcher[GenerationRequest, DecodeRow, "_Batch | 
             use_cache=True,
         ).logits[:, -1]
         batch.mask = mask
-        return _select(batch, self._append_tokens(rows, logits))
+        return _select(batch, self._append_tokens(batch, logits))
 
-    def _append_tokens(self, rows: list[DecodeRow], logits: torch.Tensor) -> list[int]:
-        """Sample one token per row, deliver the rows that finish, return the indices of the rest."""
+    def _append_tokens(self, batch: _Batch, logits: torch.Tensor) -> list[int]:
+        """Sample one token per row, deliver the rows that finish (keeping the caches of those
+        marked ``continued``), return the indices of the rest."""
+        rows = batch.rows
         tokens, logprobs = self._sample(rows, logits)
         still_running = []
         for i, (seq, token, logprob) in enumerate(zip(rows, tokens, logprobs, strict=True)):
@@ -325,9 +379,21 @@ class HFRolloutEngine(ContinuousBatcher[GenerationRequest, DecodeRow, "_Batch | 
             reason = self._finish_reason(seq)
             if reason is None:
                 still_running.append(i)
-            else:
-                seq.call.deliver(self._to_trajectory(seq, reason))
+                continue
+            if seq.request.continued and seq.resumed is not ResumePolicy.KEEP_CACHE:
+                self._keep(batch, i)
+            seq.call.deliver(self._to_trajectory(seq, reason))
         return still_running
+
+    def _keep(self, batch: _Batch, i: int) -> None:
+        """Keep row ``i``'s cache (its own columns, copied out of the batch's tensors) for the
+        sequence's next request, dropping the oldest kept one beyond ``max_batch_size``."""
+        first = int(batch.mask[i].argmax())  # the row's first column: left padding before it
+        kv = [(k[i : i + 1, :, first:].clone(), v[i : i + 1, :, first:].clone()) for k, v in _kv(batch.cache)]
+        request = batch.rows[i].request
+        self._kept[(request.prompt_id, request.index)] = _KeptCache(batch.rows[i].cached_ids, kv)
+        while len(self._kept) > self._max_batch_size:
+            self._kept.popitem(last=False)
 
     def _sample(self, rows: list[DecodeRow], logits: torch.Tensor) -> tuple[list[int], list[float]]:
         """Inverse-CDF sampling over the top-k/top-p filtered, temperature-scaled distribution;

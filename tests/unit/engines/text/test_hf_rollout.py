@@ -22,7 +22,7 @@ from tests.unit.engines.weights_for_tests import push, push_from_inside_a_step
 PROMPTS = ["1+2=", "34+5=", "6=", "78+90=", "b", "12+3=", "c+d=", "4"]
 
 
-def requests(max_new: Sequence[int], **params: Any) -> list[GenerationRequest]:
+def requests(max_new: Sequence[int], *, continued: bool = False, **params: Any) -> list[GenerationRequest]:
     """One request per prompt, with various lengths so rows join and leave mid-batch."""
     return [
         GenerationRequest(
@@ -31,6 +31,7 @@ def requests(max_new: Sequence[int], **params: Any) -> list[GenerationRequest]:
             prompt_ids=encode(PROMPTS[i % len(PROMPTS)]),
             params=SamplingParams(max_new_tokens=n, **params),
             seed=7,
+            continued=continued,
         )
         for i, n in enumerate(max_new)
     ]
@@ -336,3 +337,70 @@ async def test_bf16_on_cuda_matches_the_trainer_loosely(model_dir: Path) -> None
         recomputed = await scorer.logprobs(samples)
     for sample, logprobs in zip(samples, recomputed, strict=True):
         assert max_gap(sample.behaviour_logprobs, logprobs) < 0.1
+
+
+# ------------------------------------------------------------------------- kept caches (episodes)
+
+
+def next_turn(turn: Trajectory, observation: str, *, continued: bool = True) -> GenerationRequest:
+    """The sequence's next request: its whole transcript (prompt, response, an observation), as an
+    episode sends it, with a seed of its own."""
+    prompt = list(turn.payload.prompt_ids) + list(turn.payload.response_ids) + encode(observation)
+    return GenerationRequest(turn.prompt_id, turn.index, prompt, SamplingParams(max_new_tokens=4), seed=11,
+                             continued=continued)
+
+
+def forward_lengths(engine: HFRolloutEngine) -> list[int]:
+    """The number of new tokens each forward of the engine's model encodes, recorded from now on."""
+    lengths: list[int] = []
+    engine.model.register_forward_pre_hook(lambda _, args, kwargs: lengths.append(kwargs["input_ids"].shape[1]),
+                                           with_kwargs=True)
+    return lengths
+
+
+async def test_a_continued_turn_encodes_only_its_new_tokens_and_samples_as_a_full_encoding_does(model_dir: Path) -> None:
+    first = requests([5, 3], continued=True)
+    async with HFRolloutEngine(str(model_dir), max_batch_size=3) as kept, \
+            HFRolloutEngine(str(model_dir), max_batch_size=3) as fresh:
+        turns = await collect(kept.generate(first))
+        plain = await collect(fresh.generate(requests([5, 3])))
+        assert [(t.payload.response_ids, t.behaviour_logprobs) for t in turns] == [
+            (t.payload.response_ids, t.behaviour_logprobs) for t in plain]  # the hint changes no first turn
+        lengths = forward_lengths(kept)
+        on_kept = await collect(kept.generate([next_turn(t, "+1=") for t in turns]))
+        # Each row's new tokens are its last response token and the 3 observation tokens: one
+        # forward per row (their kept lengths differ), then decode steps of one token.
+        assert sorted(lengths[:2]) == [4, 4] and set(lengths[2:]) == {1}
+        in_full = await collect(fresh.generate([next_turn(t, "+1=", continued=False) for t in turns]))
+    for a, b in zip(on_kept, in_full, strict=True):
+        assert a.payload.response_ids == b.payload.response_ids
+        assert max_gap(a.behaviour_logprobs, b.behaviour_logprobs) < 1e-5
+
+
+async def test_a_turn_after_an_update_or_off_its_transcript_is_encoded_whole(
+    engine: HFRolloutEngine, v1_model_dir: Path, v1_weights: dict[str, torch.Tensor]
+) -> None:
+    [turn] = await collect(engine.generate(requests([4], continued=True)))
+    other = GenerationRequest(turn.prompt_id, turn.index, encode("9+9="), SamplingParams(max_new_tokens=2), continued=True)
+    lengths = forward_lengths(engine)
+    await collect(engine.generate([other]))  # the same sequence's key, not its transcript
+    assert lengths[0] == len(other.prompt_ids)
+    [turn] = await collect(engine.generate(requests([4], continued=True)))
+    await push(engine.target, v1_weights, version=1)
+    lengths.clear()
+    [after] = await collect(engine.generate([next_turn(turn, "+1=")]))
+    assert lengths[0] == len(turn.payload.prompt_ids) + 4 + 3  # built by version 0: not used
+    async with TorchLogProbEngine(str(v1_model_dir)) as v1:
+        [expected] = await v1.logprobs([after])
+    assert after.versions == [1] * 4 and max_gap(after.behaviour_logprobs, expected) < 1e-4
+
+
+async def test_at_most_max_batch_size_caches_are_kept_the_oldest_dropped_first(engine: HFRolloutEngine) -> None:
+    turns = await collect(engine.generate(requests([2, 2, 2, 2], continued=True)))
+    finished_first = turns[0]  # rows 0-2 ran together and finished at once; row 3 after them
+    lengths = forward_lengths(engine)
+    await collect(engine.generate([next_turn(turns[3], "1")]))
+    assert lengths[0] == 2  # kept: its last token and the observation's
+    lengths.clear()
+    await collect(engine.generate([next_turn(finished_first, "1")]))
+    assert lengths[0] == len(finished_first.payload.prompt_ids) + 2 + 1  # one of the three oldest: dropped
