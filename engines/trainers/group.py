@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import asyncio
 import faulthandler
+import json
 import math
 import multiprocessing as mp
 import os
@@ -116,6 +117,7 @@ __all__ = [
     "balance",
     "free_address",
     "join_rank_group",
+    "preloaded_modules",
     "rank_device",
     "rank_optimizer",
     "save_hf_folder",
@@ -657,22 +659,41 @@ class _Process:
     conn: Connection
 
 
-def _rank_context(engine: str) -> BaseContext:
+def _rank_context(spec: RankSpec) -> BaseContext:
     """Where rank processes come from: forks of one fork server (``forkserver``) that imported the
-    rank engine's module, and with it torch and transformers, once.
+    rank engine's module, and with it torch and transformers, once, and the transformers module
+    of the model's architecture.
 
     A spawned rank spends most of its start importing them: measured on 2 cores, six fsdp2 ranks
-    took 44 CPU-s spawned, against 16 forked (the server's start included). A fork is safe there and
-    only there: the server is a fresh interpreter that imported modules and never ran torch, while
-    a torch that has computed (this process) keeps OpenMP and thread pools a forked child cannot
-    use. The server starts with the first group and lives as long as this process, its modules
-    fixed then: a later group of another engine imports that engine in each rank. A rank has the
-    environment variables of the server's start; its sys.path and working folder are this
-    process's at the rank's start, as with ``spawn``."""
-    module = RANK_ENGINES[engine].split(":")[0] if engine in RANK_ENGINES else __name__  # else the rank names the error
+    took 44 CPU-s spawned, against 16 forked (the server's start included). The architecture's
+    module is not among the engine's imports (``from_pretrained`` imports it on first use, and with
+    it torch._dynamo and transformers' generation code): it was most of a forked rank's start, the
+    two ranks of an fsdp2 group of the tiny test model took 4 CPU-s to start, 0.5 with it preloaded.
+    A fork is safe there and only there: the server is a fresh interpreter that imported modules and
+    never ran torch, while a torch that has computed (this process) keeps OpenMP and thread pools a
+    forked child cannot use. The server starts with the first group and lives as long as this
+    process, its modules fixed then: a later group of another engine or architecture imports them in
+    each rank. A rank has the environment variables of the server's start; its sys.path and working
+    folder are this process's at the rank's start, as with ``spawn``."""
     context = mp.get_context("forkserver")
-    context.set_forkserver_preload([module])  # no effect once the server runs
+    context.set_forkserver_preload(preloaded_modules(spec))  # no effect once the server runs
     return context
+
+
+def preloaded_modules(spec: RankSpec) -> list[str]:
+    """The modules a fork server for ``spec``'s ranks imports: the rank engine's, and the
+    transformers module that defines the architecture of the model folder's ``config.json``. A
+    model it cannot read here (no such folder, a Hub name) or one that transformers does not ship
+    (its own code) preloads no architecture: the ranks import what they need, or report why not."""
+    engine = RANK_ENGINES[spec.engine].split(":")[0] if spec.engine in RANK_ENGINES else __name__  # else the rank names the error
+    try:
+        model_type = json.loads((Path(spec.model_path) / "config.json").read_text())["model_type"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return [engine]
+    from transformers.models.auto.configuration_auto import model_type_to_module_name
+
+    name = model_type_to_module_name(model_type)
+    return [engine, f"transformers.models.{name}.modeling_{name}"]  # the server skips one that fails to import
 
 
 class LocalRanks:
@@ -683,7 +704,7 @@ class LocalRanks:
     def __init__(self, spec: RankSpec, world_size: int) -> None:
         self._folder = tempfile.TemporaryDirectory(prefix="tandem-train-group-")
         init_method = f"file://{Path(self._folder.name) / 'rendezvous'}"
-        context = _rank_context(spec.engine)
+        context = _rank_context(spec)
         self._ranks: list[_Process] = []
         for rank in range(world_size):
             ours, theirs = context.Pipe()

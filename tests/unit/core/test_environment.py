@@ -265,7 +265,9 @@ def test_rejects_a_non_positive_timeout() -> None:
 
 @pytest.mark.slow
 async def test_in_a_process_a_hang_kills_the_child_and_frees_the_thread() -> None:
-    runner = EnvironmentRunner(timeout_s=5.0, isolation="process")
+    # The timeout covers each child's start too (about a second on a loaded 2-core machine), so
+    # that the hang is the only call that reaches it.
+    runner = EnvironmentRunner(timeout_s=2.5, isolation="process")
     try:
         outcomes = await asyncio.gather(
             play(runner, HangingEnvironment, ["go"]), play(runner, CountdownEnvironment, ["go", "stop"])

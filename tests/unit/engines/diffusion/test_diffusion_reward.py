@@ -93,7 +93,9 @@ def test_a_judge_that_crashes_or_hangs_fails_only_its_samples(judge: str, heldou
     images, _ = heldout
     digits = [1, 3, 5, 3, 7, 0]
     trajectories, groups = image_trajectories(images[:6], digits)
-    reward = TaskReward([RewardFunction("ocr", f"{THIS}:{judge}")], render(), timeout_s=3)
+    # A started worker judges an image in a millisecond: one second tells a hung or dead worker
+    # from a judging one, and each culprit costs the test one (a dead worker's job never answers either).
+    reward = TaskReward([RewardFunction("ocr", f"{THIS}:{judge}")], render(), timeout_s=1)
     results = score(reward, trajectories, groups)
     failed = [d for d, r in zip(digits, results) if not r.ok]
     assert failed == [3, 3]

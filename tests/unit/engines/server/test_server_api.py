@@ -201,7 +201,8 @@ async def test_init_weights_update_group_reports_a_failed_rendezvous(model_dir: 
 
     body = {"master_address": "127.0.0.1", "master_port": free_port(), "rank_offset": 1, "world_size": 2,
             "group_name": "g", "backend": "gloo"}
-    async with served(model_dir, dist_timeout_s=1.0) as (_, url), aiohttp.ClientSession() as session:
+    limits = ServerLimits(connect_timeout_s=1.0)  # torch's store tries twice: the default 5 s cost 10
+    async with served(model_dir, dist_timeout_s=1.0, limits=limits) as (_, url), aiohttp.ClientSession() as session:
         status, answer = await post(session, url, "/init_weights_update_group", body, InitWeightsUpdateGroupReqInput)
         dist_status, dist_answer = await post(session, url, "/update_weights_from_distributed",
                                               {"names": ["w"], "dtypes": ["float32"], "shapes": [[1]], "group_name": "g"})

@@ -79,23 +79,22 @@ def per_token_advantages(batch: list[Trajectory]) -> list[Trajectory]:
 
 
 @pytest.fixture(scope="module")
-def untrained(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator[Path]:
-    """A checkpoint of the untrained model (written by a one-rank group: any group loads it)."""
-    folder = tmp_path_factory.mktemp("untrained")
-    group = TrainerGroup.local(spec(model_dir, **EXACT), 1)
-    try:
-        asyncio.run(group.save_state(folder))
-    finally:
-        group.close()
-    yield folder
+def untrained(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where the shared one-rank group checkpoints the untrained model as it starts (any group loads it)."""
+    return tmp_path_factory.mktemp("untrained")
 
 
 @pytest.fixture(scope="module")
-def groups(model_dir: Path) -> Iterator[dict[int, TrainerGroup]]:
-    made = {n: TrainerGroup.local(spec(model_dir, **EXACT), n) for n in (1, 2)}
-    yield made
-    for group in made.values():
-        group.close()
+def groups(model_dir: Path, untrained: Path) -> Iterator[dict[int, TrainerGroup]]:
+    made: dict[int, TrainerGroup] = {}
+    try:
+        for n in (1, 2):
+            made[n] = TrainerGroup.local(spec(model_dir, **EXACT), n)
+        asyncio.run(made[1].save_state(untrained))  # before any test trains it
+        yield made
+    finally:
+        for group in made.values():
+            group.close()
 
 
 @pytest.fixture
@@ -227,12 +226,12 @@ def test_a_rank_still_silent_after_another_failed_is_named_hung_with_where_it_is
     """Rank 0 fails at once; rank 1 waits for it in the gather's collective (until gloo's timeout,
     minutes away). The driver does not wait that long: past the grace it names rank 1 as hung,
     quoting its stacks (written on SIGUSR1) and rank 0's failure."""
-    monkeypatch.setattr(group_module, "ANSWER_AFTER_FAILURE_S", 2.0)
+    monkeypatch.setattr(group_module, "ANSWER_AFTER_FAILURE_S", 1.0)  # rank 1 is in the gather within milliseconds
     others = group_processes()
     ranks = LocalRanks(spec(model_dir), 2)
     try:
         assert all(isinstance(reply, Ready) for reply in ranks.started())
-        with pytest.raises(TrainRankError, match="train rank 1 did not answer within 2 s of rank 0's failure") as info:
+        with pytest.raises(TrainRankError, match="train rank 1 did not answer within 1 s of rank 0's failure") as info:
             ranks.exchange(["not a message", Gather()])
         assert info.value.rank == 1
         assert " in _gather" in str(info.value)  # rank 1's stack: faulthandler's 'File "...", line N in _gather'

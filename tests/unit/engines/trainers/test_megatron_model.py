@@ -6,7 +6,7 @@ entropies match HF's (max abs diff below 1e-4); and the gradient of a weighted s
 gathered back to HF names, matches HF's (max abs diff per tensor below 2e-5 of that tensor's
 largest gradient: measured here up to 8.8e-6, on layer 0's q_proj of the 4-layer shipped model at
 tensor parallel 2, float32 rounding accumulated through the backward). Tensor parallel 1 runs in
-this process; tensor parallel 2 in two spawned gloo processes.
+this process; tensor parallel 2 in two gloo processes forked from the fork server.
 
 The HF reference is computed here from the full logits, not through ``engines.shared.microbatch``,
 so the index arithmetic of the batch is checked too.
@@ -183,10 +183,19 @@ def _tp2_rank(rank: int, rendezvous: str, results: mp.SimpleQueue) -> None:
 
 @pytest.fixture(scope="module")
 def tp2_parity(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, Parity]]:
-    """Each rank's parity per model; ``mp.spawn`` raises, with the rank's traceback, if a rank fails."""
+    """Each rank's parity per model; ``start_processes`` raises, with the rank's traceback, if a rank fails.
+
+    The ranks fork from the fork server, as a trainer group's do (``engines.trainers.group``): each
+    spawned rank spent 5 CPU-s importing this module (torch, megatron, transformers) before any
+    work. The server imports it once, unless a trainer group started the server first (its modules
+    then are torch's and transformers', which the ranks need too)."""
     rendezvous = f"file://{Path(tmp_path_factory.mktemp('megatron_tp2')) / 'rendezvous'}"
-    results = mp.get_context("spawn").SimpleQueue()
-    mp.spawn(_tp2_rank, args=(rendezvous, results), nprocs=2, join=True)
+    context = mp.get_context("forkserver")
+    # This module, and the architectures its models build (from_config imports them on first use).
+    architectures = ["transformers.models.llama.modeling_llama", "transformers.models.qwen2.modeling_qwen2"]
+    context.set_forkserver_preload([__name__, *architectures])  # no effect once the server runs
+    results = context.SimpleQueue()
+    mp.start_processes(_tp2_rank, args=(rendezvous, results), nprocs=2, join=True, start_method="forkserver")
     return dict(results.get() for _ in range(2))
 
 

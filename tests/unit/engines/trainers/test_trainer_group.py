@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from test_torch_train import make_batch, pg_loss, plan
+from transformers import AutoModelForCausalLM
 
 from tandem.core.config import ConfigError, validate_config
 from tandem.core.protocols import PartialTrainStep
@@ -34,6 +35,7 @@ from tandem.engines.trainers.group import (
     Stepped,
     TrainerGroup,
     TrainRankError,
+    preloaded_modules,
 )
 
 CPU = torch.device("cpu")
@@ -206,6 +208,17 @@ def test_a_rank_that_cannot_start_is_named_and_no_process_is_left(tmp_path: Path
         TrainerGroup.local(spec, 2)
     assert "no-model" in str(info.value) or "died" in str(info.value)
     assert set(multiprocessing.active_children()) <= others
+
+
+def test_the_fork_server_preloads_the_rank_engine_and_the_models_architecture(model_dir: Path, tmp_path: Path) -> None:
+    spec = RankSpec(
+        engine="fsdp2", model_path=str(model_dir), device="cpu", dtype="float32", temperature=1.0, lr=1e-3,
+        weight_decay=0.0, warmup_steps=0, max_grad_norm=1.0, max_tokens_per_micro_batch=64, num_threads=1,
+    )  # fmt: skip
+    architecture = type(AutoModelForCausalLM.from_pretrained(model_dir)).__module__
+    assert preloaded_modules(spec) == ["tandem.engines.trainers.fsdp", architecture]
+    # A model it cannot read here is left to the ranks, which report why they cannot load it.
+    assert preloaded_modules(replace(spec, model_path=str(tmp_path / "no-model"))) == ["tandem.engines.trainers.fsdp"]
 
 
 # ---------------------------------------------------------------- on Ray: one actor per rank
