@@ -18,6 +18,11 @@ from __future__ import annotations
 import logging
 import re
 
+try:  # the math extra, imported with this module: a pool worker imports it before any call is timed
+    from math_verify import parse, verify
+except ImportError:  # ``boxed`` and ``final_answer`` need nothing more; ``math`` says what is missing
+    parse = verify = None
+
 __all__ = ["boxed", "boxed_content", "final_answer", "math"]
 
 _BOXED = "\\boxed{"
@@ -55,8 +60,8 @@ def math(response: str, answer: str | None) -> float:
     predicted = final_answer(response)
     if predicted is None:
         return 0.0
-    from math_verify import parse, verify  # the math extra; imported once per worker process
-
+    if parse is None or verify is None:
+        raise ImportError("the math reward needs math-verify: pip install 'tandem[math]'")
     logging.getLogger("math_verify").setLevel(logging.ERROR)  # it warns on every call that its own timeouts are off
     gold = parse(_latex(answer), parsing_timeout=None)
     if not gold:
