@@ -73,11 +73,9 @@ from learning_quality import ci95, paired, train_and_evaluate
 from rich.console import Console
 from rich.table import Table
 
-from tandem.core.config import TandemConfig, TorchEnginesConfig
+from tandem.core.config import TandemConfig, TorchEnginesConfig, load_config
 from tandem.core.records import FinishReason, Trajectory, token_trajectory
 from tandem.core.task import held_out_measure
-from tandem.pipeline import load_config
-from tandem.pipeline.builders import load_config_task, reward_functions, with_task_model
 
 if TYPE_CHECKING:
     import torch
@@ -85,9 +83,10 @@ if TYPE_CHECKING:
     from tandem.algorithms.objective import PolicyObjective
     from tandem.engines.trainers.torch_train import TorchTrainEngine
 
-# torch, transformers, peft and the engines (all under ``ENGINE_MODULES``) are imported in the
-# functions that use them: each learning run's reward worker is spawned, and a spawned child
-# re-imports this script, which with them at the top cost each worker about 3 s of CPU for nothing.
+# torch, transformers, peft, the engines (all under ``ENGINE_MODULES``) and the flow's builders are
+# imported in the functions that use them: each learning run's reward worker is spawned, and a
+# spawned child re-imports this script, which with them at the top cost each worker about 3 s of
+# CPU for nothing.
 ENGINE_MODULES = ("peft", "tandem.engines.text.build")
 
 RESULTS = Path(__file__).parent / "results" / "lora.json"
@@ -119,6 +118,7 @@ BATCH_VOCAB = range(3, 18)
 def arithmetic_model() -> Path:
     """The shipped model of the default job's task, as the builder resolves it."""
     from tandem.engines.text.build import resolve_model_path
+    from tandem.pipeline.builders import load_config_task, with_task_model
 
     config = load_config(JOBS["arithmetic"][0])
     spec = with_task_model(config, load_config_task(config)).engines
@@ -359,7 +359,7 @@ def train_rows(models: dict[str, Path], trajectories: int, steps: int, repeat: i
     # torch, transformers, peft and tandem imported once, in the server: each row starts in a fraction
     # of a second. Named, not "__main__": Python 3.11's fork server never preloads the script (it looks
     # for its path under a key spawn does not set), so each row runs this script's top again, whose
-    # imports learning_quality's cover.
+    # imports these cover.
     context.set_forkserver_preload(["learning_quality", *ENGINE_MODULES])
     runs: dict[tuple[str, str], list[dict[str, Any]]] = {}
     with ProcessPoolExecutor(max_workers=1, mp_context=context, max_tasks_per_child=1) as pool:
@@ -420,6 +420,8 @@ def effective_lr(config: TandemConfig) -> float:
 
 def measure_name(config: TandemConfig) -> str:
     """What the job's held-out number counts (``exact_answer``, ``recognized``), as the builder picks it."""
+    from tandem.pipeline.builders import load_config_task, reward_functions
+
     task = load_config_task(config)
     return held_out_measure(task, [f.name for f in reward_functions(config, task)]).name
 
