@@ -66,25 +66,28 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
-import torch
 from learning_quality import ci95, paired, train_and_evaluate
 from rich.console import Console
 from rich.table import Table
 
-from tandem.algorithms.objective import PolicyObjective
-from tandem.core.config import TandemConfig, TorchEnginesConfig
+from tandem.core.config import TandemConfig, TorchEnginesConfig, load_config
 from tandem.core.records import FinishReason, Trajectory, token_trajectory
 from tandem.core.task import held_out_measure
-from tandem.engines.shared.probe import probe_logprobs
-from tandem.engines.text.build import embedded_rollout, resolve_model_path, train_engine
-from tandem.engines.trainers.torch_train import TorchTrainEngine
-from tandem.param_sync import unique_weights
-from tandem.param_sync.bucket import MiB
-from tandem.pipeline import load_config
-from tandem.pipeline.builders import load_config_task, reward_functions, with_task_model
+
+if TYPE_CHECKING:
+    import torch
+
+    from tandem.algorithms.objective import PolicyObjective
+    from tandem.engines.trainers.torch_train import TorchTrainEngine
+
+# torch, transformers, peft, the engines (all under ``ENGINE_MODULES``) and the flow's builders are
+# imported in the functions that use them: each learning run's reward worker is spawned, and a
+# spawned child re-imports this script, which with them at the top cost each worker about 3 s of
+# CPU for nothing.
+ENGINE_MODULES = ("peft", "tandem.engines.text.build")
 
 RESULTS = Path(__file__).parent / "results" / "lora.json"
 CONFIGS = Path(__file__).parent.parent / "configs"
@@ -114,6 +117,9 @@ BATCH_VOCAB = range(3, 18)
 
 def arithmetic_model() -> Path:
     """The shipped model of the default job's task, as the builder resolves it."""
+    from tandem.engines.text.build import resolve_model_path
+    from tandem.pipeline.builders import load_config_task, with_task_model
+
     config = load_config(JOBS["arithmetic"][0])
     spec = with_task_model(config, load_config_task(config)).engines
     assert isinstance(spec, TorchEnginesConfig)
@@ -123,6 +129,7 @@ def arithmetic_model() -> Path:
 def build_model(folder: Path, shape: dict[str, Any]) -> Path:
     """A Qwen2 causal LM of ``shape`` (random init, seed 0) saved in ``folder`` with the shipped
     character tokenizer, which the rollout engine loads (nothing here is decoded)."""
+    import torch
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     config = Qwen2Config(**shape, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0)
@@ -162,6 +169,9 @@ class SyncPair:
     """A trainer and the embedded rollout engine fed by it, as a run of ``mode`` builds them."""
 
     def __init__(self, mode: str, model_dir: Path) -> None:
+        from tandem.engines.text.build import embedded_rollout, train_engine
+        from tandem.engines.trainers.torch_train import TorchTrainEngine
+
         self.config = run_config(mode, model_dir)
         trainer = train_engine(self.config, 1)
         assert isinstance(trainer, TorchTrainEngine)
@@ -184,6 +194,8 @@ class SyncPair:
     def probe_costs(self, reps: int) -> dict[str, float]:
         """The probe's two halves: the rollout engine scoring it (in every probed sync) and the
         trainer recording its log-probs (once per version, under its weights lock)."""
+        from tandem.engines.shared.probe import probe_logprobs
+
         probe = self.trainer.probe
         assert probe is not None
         return {
@@ -198,6 +210,8 @@ class SyncPair:
 
 def sync_model(name: str, model_dir: Path, reps: int, repeat: int) -> dict[str, Any]:
     """Full and LoRA syncs of one model, alternating within each of ``repeat`` rounds."""
+    from tandem.param_sync import unique_weights
+
     pairs = {mode: SyncPair(mode, model_dir) for mode in MODES}
     try:
         rounds: list[dict[str, dict[str, float]]] = []
@@ -279,6 +293,8 @@ async def on_policy(trainer: TorchTrainEngine, batch: list[Trajectory]) -> list[
 
 def objective(config: TandemConfig) -> PolicyObjective:
     """The policy objective a run of ``config`` trains with (as its train role builds it)."""
+    from tandem.algorithms.objective import PolicyObjective
+
     return PolicyObjective(config.algorithm, config.algorithm.proximal)
 
 
@@ -300,6 +316,12 @@ def quiet() -> None:
 def train_row(mode: str, model_dir: Path, trajectories: int, steps: int) -> dict[str, Any]:
     """One row in a fresh process: seconds per train step (median of ``steps`` after a warm-up)
     and the resident-set peak the steps add (``VmHWM`` minus ``VmRSS`` before them, the mark reset)."""
+    import torch
+
+    from tandem.engines.text.build import train_engine
+    from tandem.engines.trainers.torch_train import TorchTrainEngine
+    from tandem.param_sync.bucket import MiB
+
     torch.set_num_threads(1)
     quiet()
     config = run_config(mode, model_dir)
@@ -334,8 +356,11 @@ def train_row(mode: str, model_dir: Path, trajectories: int, steps: int) -> dict
 def train_rows(models: dict[str, Path], trajectories: int, steps: int, repeat: int) -> list[dict[str, Any]]:
     """Every (model, mode) row ``repeat`` times, rows interleaved within each round, each in a fresh process."""
     context = get_context("forkserver")
-    # torch, transformers, peft and tandem imported once, in the server: each row starts in a fraction of a second.
-    context.set_forkserver_preload(["__main__", "peft"])
+    # torch, transformers, peft and tandem imported once, in the server: each row starts in a fraction
+    # of a second. Named, not "__main__": Python 3.11's fork server never preloads the script (it looks
+    # for its path under a key spawn does not set), so each row runs this script's top again, whose
+    # imports these cover.
+    context.set_forkserver_preload(["learning_quality", *ENGINE_MODULES])
     runs: dict[tuple[str, str], list[dict[str, Any]]] = {}
     with ProcessPoolExecutor(max_workers=1, mp_context=context, max_tasks_per_child=1) as pool:
         for _ in range(repeat):
@@ -395,6 +420,8 @@ def effective_lr(config: TandemConfig) -> float:
 
 def measure_name(config: TandemConfig) -> str:
     """What the job's held-out number counts (``exact_answer``, ``recognized``), as the builder picks it."""
+    from tandem.pipeline.builders import load_config_task, reward_functions
+
     task = load_config_task(config)
     return held_out_measure(task, [f.name for f in reward_functions(config, task)]).name
 
@@ -477,6 +504,8 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="smoke test: 0.1M second model, 1 round, 1 step of 4 samples, 1 seed")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
+    import torch
+
     if args.tiny:
         args.repeat, args.reps, args.train_steps, args.batch, args.seeds = 1, 2, 1, 4, [0]
         args.arithmetic_steps, args.digits_steps, args.heldout, args.digits_heldout = 1, 1, 4, 4

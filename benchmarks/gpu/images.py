@@ -87,12 +87,14 @@ class Size:
 # within about 90 s.
 FULL = Size(heads=24, head_dim=64, layers=4, dual_attention_layers=(0, 1),
             timed_rollouts=3, timed_train_steps=3, flow_steps=24)  # fmt: skip
-# Tiny: 2 prompts x 4 samples, 4 denoising steps (SDE on a window of 2), 4 images a batch.
+# Tiny: 2 prompts x 4 samples, 4 denoising steps (SDE on a window of 2), 4 images a batch, one
+# thread per engine (as the text part's tiny mode, for the same reason).
 TINY = Size(heads=2, head_dim=16, layers=2, dual_attention_layers=(0,),
             timed_rollouts=1, timed_train_steps=1, flow_steps=3,
             overrides=("train.prompts_per_step=2", "rollout.samples_per_prompt=4", "flow.micro_batch_size=2",
                        "engines.max_batch_size=4", "diffusion.train_steps=4", "diffusion.sde_window=2",
-                       "diffusion.sde_window_latest_start=2"))  # fmt: skip
+                       "diffusion.sde_window_latest_start=2", "engines.generation_threads=1",
+                       "engines.train_threads=1"))  # fmt: skip
 
 
 def run(scale: Scale) -> dict[str, Any]:

@@ -46,9 +46,15 @@ NEW_TOKENS, BATCHES, TIMED_ROUNDS = 128, (64, 256), 2
 # the steady state; about 30 s per schedule on an H100.
 SCHEDULE_STEPS = 12
 SCHEDULES = {"sync": 0, "k1": 1}
-# The smoke mode: a few tokens, a few samples, two steps.
-TINY = SimpleNamespace(new_tokens=8, batches=(4,), rounds=1, steps=2,
-                       job=["train.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=8"])  # fmt: skip
+# The smoke mode: a few tokens, a few samples, three steps (at k = 1 the third is admitted only once
+# the first sync has loaded, so the run always records one: with two, it could end with the sync in
+# flight); one thread per engine (k = 0 would give generation both of a 2-core machine's cores,
+# which stall on each other beside other work) and no run folder (its plot is matplotlib's import
+# and a figure per run, read by no one).
+TINY = SimpleNamespace(new_tokens=8, batches=(4,), rounds=1, steps=3,
+                       job=["train.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=8",
+                            "engines.generation_threads=1", "engines.train_threads=1",
+                            "observability.write_run_dir=false"])  # fmt: skip
 
 
 def decode_rows(scale: Scale, folder: Path) -> list[dict[str, Any]]:
