@@ -5,11 +5,41 @@ that pick engines and tasks from config, the CLI, the Prometheus metrics, loggin
 report. What it may import: everything below it (``core`` and the parts: ``state_machines``,
 ``engines``, ``param_sync``, ``algorithms``, ``tasks``); nothing imports it but ``benchmarks``,
 ``tests`` and users.
+
+The names load on first use (PEP 562), as ``tandem``'s do: the ``tandem`` command lives in
+``tandem.pipeline.cli``, and a process that only imports that module (``tandem --help``, or a
+reward worker, which imports its parent's main module again) does not load the flow.
 """
 
 from __future__ import annotations
 
-from tandem.core.config import ConfigError, TandemConfig, load_config, validate_config
-from tandem.pipeline.flow import AsyncTrainingFlow, FlowResult
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tandem.core.config import ConfigError, TandemConfig, load_config, validate_config
+    from tandem.pipeline.flow import AsyncTrainingFlow, FlowResult
+
+_HOMES = {
+    "AsyncTrainingFlow": "tandem.pipeline.flow",
+    "ConfigError": "tandem.core.config",
+    "FlowResult": "tandem.pipeline.flow",
+    "TandemConfig": "tandem.core.config",
+    "load_config": "tandem.core.config",
+    "validate_config": "tandem.core.config",
+}
 
 __all__ = ["AsyncTrainingFlow", "ConfigError", "FlowResult", "TandemConfig", "load_config", "validate_config"]
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'tandem.pipeline' has no attribute {name!r}")
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -40,6 +40,10 @@ def test_the_top_level_lists_what_users_write_against() -> None:
 
 
 def test_importing_one_part_does_not_load_the_flow() -> None:
-    code = "import sys, tandem.core.records; assert 'tandem.pipeline' not in sys.modules, 'the flow was loaded'"
+    # The command's module too: a reward worker imports it again (the `tandem` script is its parent's main).
+    code = (
+        "import sys, tandem.core.records; assert 'tandem.pipeline' not in sys.modules, 'the flow was loaded'; "
+        "import tandem.pipeline.cli; assert 'tandem.pipeline.flow' not in sys.modules, 'the CLI loaded the flow'"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
