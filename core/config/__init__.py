@@ -18,42 +18,88 @@ The parts, each small enough to hold in mind:
 - :mod:`~tandem.core.config.errors`: ``ConfigError`` and ``import_named``.
 
 Import from here: the names below are the config's API wherever they live.
+
+The names load on first use (PEP 562): a process that needs one small part (a reward worker
+imports ``import_named`` and nothing else of the config) does not build every section's model.
 """
 
 from __future__ import annotations
 
-from tandem.core.config.algorithm import AlgorithmConfig
-from tandem.core.config.cluster import POOL_ROLES, ClusterConfig, ParamSyncConfig
-from tandem.core.config.engines import (
-    FAULT_ROLES,
-    EnginesConfig,
-    FakeEnginesConfig,
-    FaultSpec,
-    RolloutServersConfig,
-    SecretSource,
-    TorchEnginesConfig,
-    VllmConfig,
-    is_loopback,
-)
-from tandem.core.config.errors import ConfigError, import_named
-from tandem.core.config.loading import apply_overrides, load_config, validate_config
-from tandem.core.config.lora import LoraConfig
-from tandem.core.config.run import (
-    DEFAULT_STAGES,
-    ROLE_NAMES,
-    FlowConfig,
-    LatencySpec,
-    ObservabilityConfig,
-    RoleConfig,
-    RolloutConfig,
-    RunConfig,
-    StalenessConfig,
-    TrainConfig,
-    ValidationConfig,
-)
-from tandem.core.config.schema import TandemConfig
-from tandem.core.config.teacher import TeacherConfig
-from tandem.core.config.workloads import AgenticConfig, DiffusionConfig, RewardFunctionConfig, TaskConfig
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tandem.core.config.algorithm import AlgorithmConfig
+    from tandem.core.config.cluster import POOL_ROLES, ClusterConfig, ParamSyncConfig
+    from tandem.core.config.engines import (
+        FAULT_ROLES,
+        EnginesConfig,
+        FakeEnginesConfig,
+        FaultSpec,
+        RolloutServersConfig,
+        SecretSource,
+        TorchEnginesConfig,
+        VllmConfig,
+        is_loopback,
+    )
+    from tandem.core.config.errors import ConfigError, import_named
+    from tandem.core.config.loading import apply_overrides, load_config, validate_config
+    from tandem.core.config.lora import LoraConfig
+    from tandem.core.config.run import (
+        DEFAULT_STAGES,
+        ROLE_NAMES,
+        FlowConfig,
+        LatencySpec,
+        ObservabilityConfig,
+        RoleConfig,
+        RolloutConfig,
+        RunConfig,
+        StalenessConfig,
+        TrainConfig,
+        ValidationConfig,
+    )
+    from tandem.core.config.schema import TandemConfig
+    from tandem.core.config.teacher import TeacherConfig
+    from tandem.core.config.workloads import AgenticConfig, DiffusionConfig, RewardFunctionConfig, TaskConfig
+
+_HOMES = {
+    "DEFAULT_STAGES": "tandem.core.config.run",
+    "FAULT_ROLES": "tandem.core.config.engines",
+    "POOL_ROLES": "tandem.core.config.cluster",
+    "ROLE_NAMES": "tandem.core.config.run",
+    "AgenticConfig": "tandem.core.config.workloads",
+    "AlgorithmConfig": "tandem.core.config.algorithm",
+    "ClusterConfig": "tandem.core.config.cluster",
+    "ConfigError": "tandem.core.config.errors",
+    "DiffusionConfig": "tandem.core.config.workloads",
+    "EnginesConfig": "tandem.core.config.engines",
+    "FakeEnginesConfig": "tandem.core.config.engines",
+    "FaultSpec": "tandem.core.config.engines",
+    "FlowConfig": "tandem.core.config.run",
+    "LatencySpec": "tandem.core.config.run",
+    "LoraConfig": "tandem.core.config.lora",
+    "ObservabilityConfig": "tandem.core.config.run",
+    "ParamSyncConfig": "tandem.core.config.cluster",
+    "RewardFunctionConfig": "tandem.core.config.workloads",
+    "RoleConfig": "tandem.core.config.run",
+    "RolloutConfig": "tandem.core.config.run",
+    "RolloutServersConfig": "tandem.core.config.engines",
+    "RunConfig": "tandem.core.config.run",
+    "SecretSource": "tandem.core.config.engines",
+    "StalenessConfig": "tandem.core.config.run",
+    "TandemConfig": "tandem.core.config.schema",
+    "TaskConfig": "tandem.core.config.workloads",
+    "TeacherConfig": "tandem.core.config.teacher",
+    "TorchEnginesConfig": "tandem.core.config.engines",
+    "TrainConfig": "tandem.core.config.run",
+    "ValidationConfig": "tandem.core.config.run",
+    "VllmConfig": "tandem.core.config.engines",
+    "apply_overrides": "tandem.core.config.loading",
+    "import_named": "tandem.core.config.errors",
+    "is_loopback": "tandem.core.config.engines",
+    "load_config": "tandem.core.config.loading",
+    "validate_config": "tandem.core.config.loading",
+}
 
 __all__ = [
     "DEFAULT_STAGES",
@@ -93,3 +139,16 @@ __all__ = [
     "load_config",
     "validate_config",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'tandem.core.config' has no attribute {name!r}")
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

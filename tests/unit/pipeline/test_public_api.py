@@ -39,11 +39,13 @@ def test_the_top_level_lists_what_users_write_against() -> None:
     assert sorted(tandem.__all__) == sorted(tandem._HOMES)  # each name has one home, and each home is listed
 
 
-def test_importing_one_part_does_not_load_the_flow() -> None:
-    # The command's module too: a reward worker imports it again (the `tandem` script is its parent's main).
+def test_importing_one_part_loads_only_what_it_uses() -> None:
+    # What a reward worker imports: the module it runs and its parent's main module (the `tandem`
+    # script), neither of which needs the flow or the config's models.
     code = (
         "import sys, tandem.core.records; assert 'tandem.pipeline' not in sys.modules, 'the flow was loaded'; "
-        "import tandem.pipeline.cli; assert 'tandem.pipeline.flow' not in sys.modules, 'the CLI loaded the flow'"
+        "import tandem.pipeline.cli; assert 'tandem.pipeline.flow' not in sys.modules, 'the CLI loaded the flow'; "
+        "import tandem.engines.rewards; assert 'tandem.core.config.schema' not in sys.modules, 'the config was loaded'"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
