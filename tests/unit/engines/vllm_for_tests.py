@@ -6,6 +6,7 @@ session's ``sys.path``; hence a module of its own, importable as ``vllm_for_test
 
 from __future__ import annotations
 
+import os
 import time
 
 from tandem.engines.vllm.worker import TandemWorkerExtension
@@ -14,9 +15,16 @@ EXTENSION = "vllm_for_tests.SwitchableExtension"
 
 
 class SwitchableExtension(TandemWorkerExtension):
-    """:class:`TandemWorkerExtension`, plus two switches: ``tandem_test_stale_head(True)``: reloads
-    then leave a tied output projection packed from the old embedding, as vLLM's CPU backend does
-    unfixed; ``tandem_test_hang(s)``: the next load first sleeps ``s`` seconds (a hung update)."""
+    """:class:`TandemWorkerExtension`, plus two switches and a probe: ``tandem_test_stale_head(True)``:
+    reloads then leave a tied output projection packed from the old embedding, as vLLM's CPU
+    backend does unfixed; ``tandem_test_hang(s)``: the next load first sleeps ``s`` seconds (a hung
+    update); ``tandem_test_threads()``: the cores the model's thread may run on, and the size of
+    its OpenMP team."""
+
+    def tandem_test_threads(self) -> dict[str, object]:
+        import torch
+
+        return {"cores": sorted(os.sched_getaffinity(0)), "threads": torch.get_num_threads()}
 
     def tandem_test_stale_head(self, stale: bool) -> None:
         self._tandem_stale_head = stale

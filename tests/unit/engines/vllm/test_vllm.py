@@ -21,6 +21,7 @@ from weights_for_tests import TensorSource
 from tandem.core.protocols import GenerationRequest, SamplingParams
 from tandem.core.records import ResumePolicy, Trajectory
 from tandem.engines.trainers.torch_train import TorchLogProbEngine, TorchTrainEngine
+from tandem.engines.vllm.build import generation_cpus
 from tandem.engines.vllm.engine import VllmRolloutEngine, token_versions
 from tandem.engines.vllm.sync import VllmShmTransport, WeightProbe
 from tandem.param_sync import ParamSyncer, SyncError
@@ -37,6 +38,12 @@ def test_token_versions_expand_vllms_spans_token_by_token() -> None:
     assert token_versions([("default", 0, 2)], 2, serving=7) == [0, 0]  # a server never updated: the file's weights
     with pytest.raises(ValueError, match="cover 5 of 6 tokens"):
         token_versions(spans, 6, serving=4)
+
+
+def test_the_engine_core_computes_on_the_cores_it_is_given_one_thread_each(vllm_engine: VllmRolloutEngine) -> None:
+    # vllm_engine is given one core, as a run's vLLM with engines.generation_threads=1. Left to
+    # OpenMP's default, the team spanned every core of the machine and spun at each barrier.
+    assert vllm_engine.call_workers("tandem_test_threads") == [{"cores": generation_cpus(1), "threads": 1}]
 
 
 def requests(max_new_tokens: int, *, per_prompt: int = 2, seed: int = 0) -> list[GenerationRequest]:

