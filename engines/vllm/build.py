@@ -82,7 +82,8 @@ def build_vllm_server_components(config: TandemConfig, setup: TaskSetup) -> Comp
     def command(path: str, host: str, port: int, name: str, threads: int) -> tuple[list[str], dict[str, str]]:
         argv = vllm_command(path, host, port, dtype=spec.dtype, max_batch_size=spec.max_batch_size,
                             max_model_len=max_model_len, enforce_eager=spec.vllm.enforce_eager, device=spec.device)
-        return argv, vllm_server_env(VllmSettings(kv_cache_gib=spec.vllm.kv_cache_gib, cpus=generation_cpus(threads)))
+        settings = VllmSettings(kv_cache_gib=spec.vllm.kv_cache_gib, cpus=generation_cpus(threads))
+        return argv, vllm_server_env(settings, enforce_eager=spec.vllm.enforce_eager)
 
     def transport(router: ServerRolloutEngine) -> VllmShmTransport:
         def endpoints() -> list[VllmHttpEndpoint]:

@@ -137,7 +137,8 @@ class VllmSettings:
         self.kv_cache_gib = kv_cache_gib
         self.cpus = list(cpus) if cpus is not None else None
 
-    def environment(self) -> dict[str, str]:
+    def environment(self, *, enforce_eager: bool = False) -> dict[str, str]:
+        """The engine core's environment; ``enforce_eager``: the engine's (nothing is compiled)."""
         env = {
             "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib),
             "HF_HUB_OFFLINE": "1",  # models are local folders: never a hub
@@ -160,6 +161,12 @@ class VllmSettings:
             env["OMP_NUM_THREADS"] = str(len(self.cpus))
             env["OMP_PLACES"] = "{" + ",".join(str(c) for c in self.cpus) + "}"
             env["OMP_PROC_BIND"] = "true"
+        if enforce_eager:
+            # vLLM's enforce_eager leaves the model eager but still compiles small helpers with
+            # torch.compile at their first call (the rank count of sampled tokens' log-probs, the
+            # random sampler): with inductor's checks of the CPU, 4 s and 2 CPU-s of each engine
+            # core's first request here, its cache warm. Eager they cost nothing measurable.
+            env["TORCH_COMPILE_DISABLE"] = "1"
         return env
 
 
@@ -266,7 +273,7 @@ class VllmRolloutEngine(ClosesOnAThread):
         from vllm.v1.engine.async_llm import AsyncLLM
 
         self._loads = asyncio.Lock()  # of the engine's loop: weight updates one at a time
-        with vllm_environment(self._settings.environment()):
+        with vllm_environment(self._settings.environment(enforce_eager=self._args.enforce_eager)):
             self._llm = AsyncLLM.from_engine_args(self._args)
         await self._llm.update_weight_version(str(self._version))
         if self._lora is not None:

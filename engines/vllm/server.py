@@ -58,9 +58,9 @@ def vllm_command(model_path: str, host: str, port: int, *, dtype: str, max_batch
     return command
 
 
-def vllm_server_env(settings: VllmSettings) -> dict[str, str]:
-    """The server's environment: the engine's (KV cache, cores) and the RL routes."""
-    return {**settings.environment(), "VLLM_SERVER_DEV_MODE": "1"}
+def vllm_server_env(settings: VllmSettings, *, enforce_eager: bool) -> dict[str, str]:
+    """The server's environment: the engine's (KV cache, cores, compilation) and the RL routes."""
+    return {**settings.environment(enforce_eager=enforce_eager), "VLLM_SERVER_DEV_MODE": "1"}
 
 
 def vllm_key_env(keys: ApiKeys) -> dict[str, str]:
