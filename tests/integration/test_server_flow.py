@@ -63,7 +63,7 @@ def check_run(result: Any, config: TandemConfig) -> None:
 
 
 def test_the_default_job_trains_with_generation_in_a_server_and_stops_it(tmp_path: Path) -> None:
-    config = server_config(tmp_path, run={"max_steps": 6})
+    config = server_config(tmp_path)
     components = build_components(config)
     fleet = components.close_callbacks[2].__self__  # the fleet's stop: its pids, to check they are gone
     result = asyncio.run(AsyncTrainingFlow(config, components=components).run())
@@ -76,7 +76,7 @@ def test_the_default_job_trains_with_generation_in_a_server_and_stops_it(tmp_pat
 
 def test_a_server_killed_mid_run_is_replaced_and_every_prompt_is_trained_once(tmp_path: Path) -> None:
     config = server_config(
-        tmp_path, run={"max_steps": 8},
+        tmp_path, run={"max_steps": 5},  # killed after step 2: at k = 1 what it holds trains by step 4
         engines={"servers": {"count": 2, "max_restarts": 1, "health_interval_s": 0.5, "startup_timeout_s": 240}},
         roles={"param_update": {"max_retries": 3, "retry_backoff_s": 0.5}},
     )
