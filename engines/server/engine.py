@@ -32,7 +32,7 @@ from tandem.core.protocols import GenerationRequest
 from tandem.core.records import FinishReason, ResumePolicy, Trajectory
 from tandem.core.threadsafe import post_to_loop
 from tandem.engines.shared.batching import Call
-from tandem.engines.text.rollout import DecodeRow, HFRolloutEngine, validate_request
+from tandem.engines.text.rollout import DecodeBatch, DecodeRow, HFRolloutEngine, validate_request
 from tandem.param_sync import GateClosedError
 
 __all__ = ["Partial", "Running", "ServedEngine"]
@@ -163,11 +163,11 @@ class ServedEngine(HFRolloutEngine):
             with self._listen_lock:
                 self._listened.pop(id(running.seq), None)
 
-    def _append_tokens(self, rows: list[DecodeRow], logits: torch.Tensor) -> list[int]:
-        keep = super()._append_tokens(rows, logits)
+    def _append_tokens(self, batch: DecodeBatch, logits: torch.Tensor) -> list[int]:
+        keep = super()._append_tokens(batch, logits)
         if self._listened:
             with self._listen_lock:
-                heard = [self._listened[id(seq)] for seq in rows if id(seq) in self._listened]
+                heard = [self._listened[id(seq)] for seq in batch.rows if id(seq) in self._listened]
             for loop, listener in heard:
                 post_to_loop(loop, listener)  # a closed listener's loop has nobody to tell
         return keep

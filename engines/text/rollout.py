@@ -73,7 +73,7 @@ from tandem.param_sync import LoadMode, ModuleTarget
 if TYPE_CHECKING:
     import peft
 
-__all__ = ["DecodeRow", "EngineClosedError", "HFRolloutEngine", "validate_request"]
+__all__ = ["DecodeBatch", "DecodeRow", "EngineClosedError", "HFRolloutEngine", "validate_request"]
 
 
 @dataclass(slots=True)
@@ -98,7 +98,7 @@ class DecodeRow:
 
 
 @dataclass(slots=True)
-class _Batch:
+class DecodeBatch:
     """In-flight rows and their KV cache; ``mask`` [rows, cache length] is 0 on left padding."""
 
     rows: list[DecodeRow]
@@ -154,7 +154,7 @@ def _with_kv(cache: DynamicCache, kv: list[tuple[torch.Tensor, torch.Tensor]]) -
     return cache
 
 
-def _select(batch: _Batch, keep: list[int]) -> _Batch | None:
+def _select(batch: DecodeBatch, keep: list[int]) -> DecodeBatch | None:
     """Keep the rows at ``keep`` and trim left-padding columns no remaining row needs."""
     if not keep:
         return None
@@ -170,10 +170,10 @@ def _select(batch: _Batch, keep: list[int]) -> _Batch | None:
     if first > 0:
         mask = mask[:, first:]
         kv = [(k[:, :, first:], v[:, :, first:]) for k, v in kv]
-    return _Batch([batch.rows[i] for i in keep], _with_kv(batch.cache, kv), mask)
+    return DecodeBatch([batch.rows[i] for i in keep], _with_kv(batch.cache, kv), mask)
 
 
-def _merge(blocks: list[_Batch]) -> _Batch:
+def _merge(blocks: list[DecodeBatch]) -> DecodeBatch:
     """Stack batches row-wise, left-padding each cache and mask to the longest."""
     if len(blocks) == 1:
         return blocks[0]
@@ -188,10 +188,10 @@ def _merge(blocks: list[_Batch]) -> _Batch:
         for i in range(len(kvs[0]))
     ]
     rows = [row for b in blocks for row in b.rows]
-    return _Batch(rows, _with_kv(blocks[0].cache, kv), torch.cat(masks))
+    return DecodeBatch(rows, _with_kv(blocks[0].cache, kv), torch.cat(masks))
 
 
-class HFRolloutEngine(ContinuousBatcher[GenerationRequest, DecodeRow, "_Batch | None"]):
+class HFRolloutEngine(ContinuousBatcher[GenerationRequest, DecodeRow, "DecodeBatch | None"]):
     """Samples sequences from a transformers causal LM on one dedicated decode thread.
 
     Implements :class:`core.protocols.RolloutEngine`. Several concurrent ``generate()``
@@ -263,13 +263,13 @@ class HFRolloutEngine(ContinuousBatcher[GenerationRequest, DecodeRow, "_Batch | 
     def _new_row(self, request: GenerationRequest, call: Call[DecodeRow]) -> DecodeRow:
         return DecodeRow(request, call, _request_generator(request))
 
-    def _empty(self) -> _Batch | None:
+    def _empty(self) -> DecodeBatch | None:
         return None
 
-    def _rows(self, batch: _Batch | None) -> list[DecodeRow]:
+    def _rows(self, batch: DecodeBatch | None) -> list[DecodeRow]:
         return batch.rows if batch is not None else []
 
-    def _advance(self, batch: _Batch | None, joining: list[DecodeRow]) -> _Batch | None:
+    def _advance(self, batch: DecodeBatch | None, joining: list[DecodeRow]) -> DecodeBatch | None:
         if self.target.loaded_version != self._serving:  # an update committed since the last step
             self._serving = self.target.loaded_version
             self._kept.clear()  # built by the old weights
@@ -295,7 +295,7 @@ class HFRolloutEngine(ContinuousBatcher[GenerationRequest, DecodeRow, "_Batch | 
             return []
         return super()._take_waiting(free)
 
-    def _prefill(self, rows: list[DecodeRow], token_lists: list[list[int]]) -> list[tuple[_Batch, torch.Tensor]]:
+    def _prefill(self, rows: list[DecodeRow], token_lists: list[list[int]]) -> list[tuple[DecodeBatch, torch.Tensor]]:
         """Encode each row's tokens from scratch; rows of equal length share one padding-free forward.
 
         Returns one (batch, last-position logits) pair per length group.
@@ -309,10 +309,10 @@ class HFRolloutEngine(ContinuousBatcher[GenerationRequest, DecodeRow, "_Batch | 
             cache = DynamicCache()
             logits = self._model(input_ids=ids, **{self._cache_arg: cache}, use_cache=True, logits_to_keep=1).logits
             mask = torch.ones(ids.shape, dtype=torch.long, device=self._device)
-            out.append((_Batch([rows[i] for i in idx], cache, mask), logits[:, -1]))
+            out.append((DecodeBatch([rows[i] for i in idx], cache, mask), logits[:, -1]))
         return out
 
-    def _extend(self, continued: list[tuple[DecodeRow, _KeptCache]]) -> list[tuple[_Batch, torch.Tensor]]:
+    def _extend(self, continued: list[tuple[DecodeRow, _KeptCache]]) -> list[tuple[DecodeBatch, torch.Tensor]]:
         """Encode only what each row's prompt adds to its kept cache; rows with equal kept and
         prompt lengths share one padding-free forward. Returns (batch, last-position logits) pairs."""
         groups: dict[tuple[int, int], list[tuple[DecodeRow, _KeptCache]]] = {}
@@ -328,10 +328,10 @@ class HFRolloutEngine(ContinuousBatcher[GenerationRequest, DecodeRow, "_Batch | 
             ids = torch.tensor([row.request.prompt_ids[cached:] for row, _ in members], device=self._device)
             logits = self._model(input_ids=ids, **{self._cache_arg: cache}, use_cache=True, logits_to_keep=1).logits
             mask = torch.ones((len(members), total), dtype=torch.long, device=self._device)
-            out.append((_Batch([row for row, _ in members], cache, mask), logits[:, -1]))
+            out.append((DecodeBatch([row for row, _ in members], cache, mask), logits[:, -1]))
         return out
 
-    def _admit(self, batch: _Batch | None, joining: list[DecodeRow]) -> _Batch | None:
+    def _admit(self, batch: DecodeBatch | None, joining: list[DecodeRow]) -> DecodeBatch | None:
         blocks = [] if batch is None else [batch]
         fresh: list[DecodeRow] = []
         continued: list[tuple[DecodeRow, _KeptCache]] = []
@@ -349,7 +349,7 @@ class HFRolloutEngine(ContinuousBatcher[GenerationRequest, DecodeRow, "_Batch | 
                 blocks.append(running)
         return _merge(blocks) if blocks else None
 
-    def _decode_step(self, batch: _Batch) -> _Batch | None:
+    def _decode_step(self, batch: DecodeBatch) -> DecodeBatch | None:
         rows = batch.rows
         input_ids = torch.tensor([[s.response_ids[-1]] for s in rows], device=self._device)
         positions = torch.tensor(
@@ -366,7 +366,7 @@ class HFRolloutEngine(ContinuousBatcher[GenerationRequest, DecodeRow, "_Batch | 
         batch.mask = mask
         return _select(batch, self._append_tokens(batch, logits))
 
-    def _append_tokens(self, batch: _Batch, logits: torch.Tensor) -> list[int]:
+    def _append_tokens(self, batch: DecodeBatch, logits: torch.Tensor) -> list[int]:
         """Sample one token per row, deliver the rows that finish (keeping the caches of those
         marked ``continued``), return the indices of the rest."""
         rows = batch.rows
@@ -385,7 +385,7 @@ class HFRolloutEngine(ContinuousBatcher[GenerationRequest, DecodeRow, "_Batch | 
             seq.call.deliver(self._to_trajectory(seq, reason))
         return still_running
 
-    def _keep(self, batch: _Batch, i: int) -> None:
+    def _keep(self, batch: DecodeBatch, i: int) -> None:
         """Keep row ``i``'s cache (its own columns, copied out of the batch's tensors) for the
         sequence's next request, dropping the oldest kept one beyond ``max_batch_size``."""
         first = int(batch.mask[i].argmax())  # the row's first column: left padding before it
@@ -439,7 +439,7 @@ class HFRolloutEngine(ContinuousBatcher[GenerationRequest, DecodeRow, "_Batch | 
             reason, text=self._tokenizer.decode(seq.response_ids, skip_special_tokens=True), resumed=seq.resumed,
         )
 
-    def _resume_in_flight(self, batch: _Batch | None) -> _Batch | None:
+    def _resume_in_flight(self, batch: DecodeBatch | None) -> DecodeBatch | None:
         """After a weight change: mark the in-flight rows and, under RECOMPUTE, rebuild their cache."""
         if batch is None:
             return None
