@@ -13,8 +13,9 @@ reward worker, which imports its parent's main module again) does not load the f
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from tandem.core.lazy import lazy_names
 
 if TYPE_CHECKING:
     from tandem.core.config import ConfigError, TandemConfig, load_config, validate_config
@@ -31,15 +32,4 @@ _HOMES = {
 
 __all__ = ["AsyncTrainingFlow", "ConfigError", "FlowResult", "TandemConfig", "load_config", "validate_config"]
 
-
-def __getattr__(name: str) -> Any:
-    home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(f"module 'tandem.pipeline' has no attribute {name!r}")
-    value = getattr(importlib.import_module(home), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__ = lazy_names(globals(), _HOMES)

@@ -12,8 +12,9 @@ a vLLM process) does not import the flow; none of them imports torch or ray.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from tandem.core.lazy import lazy_names
 
 if TYPE_CHECKING:
     from tandem.core.config import ConfigError, TandemConfig, load_config
@@ -60,15 +61,4 @@ __all__ = [
     "load_config",
 ]
 
-
-def __getattr__(name: str) -> Any:
-    home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(f"module 'tandem' has no attribute {name!r}")
-    value = getattr(importlib.import_module(home), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__ = lazy_names(globals(), _HOMES)

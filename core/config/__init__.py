@@ -25,8 +25,9 @@ imports ``import_named`` and nothing else of the config) does not build every se
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from tandem.core.lazy import lazy_names
 
 if TYPE_CHECKING:
     from tandem.core.config.algorithm import AlgorithmConfig
@@ -140,15 +141,4 @@ __all__ = [
     "validate_config",
 ]
 
-
-def __getattr__(name: str) -> Any:
-    home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(f"module 'tandem.core.config' has no attribute {name!r}")
-    value = getattr(importlib.import_module(home), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__ = lazy_names(globals(), _HOMES)
